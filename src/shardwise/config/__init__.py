@@ -1,0 +1,17 @@
+"""Config: the typed sections and the one parser of raw JSON/dict configs."""
+
+from .errors import ConfigError
+from .parse import config_json_schema, parse_config
+from .sections import BF16Config, Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
+
+__all__ = [
+    "BF16Config",
+    "Config",
+    "ConfigError",
+    "FP16Config",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "config_json_schema",
+    "parse_config",
+]

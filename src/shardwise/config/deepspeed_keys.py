@@ -1,0 +1,83 @@
+"""Valid DeepSpeed config keys that shardwise does not act on (yet), and how each is treated.
+
+The rule (CONVENTIONS.md): a key that would change numerics or memory is refused, so nobody trains a
+different model than they configured; a cosmetic key (logging, profiling) draws a one-time warning.
+A section switched off (`{"enabled": false}`, an offload to device "none") is dropped quietly: it asks
+for nothing we fail to do.
+"""
+
+from __future__ import annotations
+
+COSMETIC = "cosmetic"
+CHANGES_TRAINING = "changes training"
+
+ROOT_KEYS: dict[str, str] = {
+    "tensorboard": COSMETIC,
+    "csv_monitor": COSMETIC,
+    "wandb": COSMETIC,
+    "comet": COSMETIC,
+    "monitor": COSMETIC,
+    "comms_logger": COSMETIC,
+    "flops_profiler": COSMETIC,
+    "memory_breakdown": COSMETIC,
+    "dump_state": COSMETIC,
+    "autotuning": COSMETIC,
+    "zero_allow_untested_optimizer": COSMETIC,
+    "zero_force_ds_cpu_optimizer": COSMETIC,
+    "aio": COSMETIC,
+    "checkpoint": COSMETIC,
+    "amp": CHANGES_TRAINING,
+    "sparse_gradients": CHANGES_TRAINING,
+    "activation_checkpointing": CHANGES_TRAINING,
+    "pipeline": CHANGES_TRAINING,
+    "elasticity": CHANGES_TRAINING,
+    "compression_training": CHANGES_TRAINING,
+    "curriculum_learning": CHANGES_TRAINING,
+    "data_efficiency": CHANGES_TRAINING,
+    "sparse_attention": CHANGES_TRAINING,
+    "data_types": CHANGES_TRAINING,
+    "gradient_accumulation_dtype": CHANGES_TRAINING,
+}
+
+ZERO_KEYS: dict[str, str] = {
+    "offload_optimizer": CHANGES_TRAINING,
+    "offload_param": CHANGES_TRAINING,
+    "cpu_offload": CHANGES_TRAINING,
+    "cpu_offload_params": CHANGES_TRAINING,
+    "zero_quantized_weights": CHANGES_TRAINING,
+    "zero_quantized_gradients": CHANGES_TRAINING,
+    "zero_hpz_partition_size": CHANGES_TRAINING,
+    "mics_shard_size": CHANGES_TRAINING,
+    # Stage-3 and tuning knobs: they shape speed or stage-3 behaviour only.
+    "stage3_prefetch_bucket_size": COSMETIC,
+    "stage3_param_persistence_threshold": COSMETIC,
+    "stage3_max_live_parameters": COSMETIC,
+    "stage3_max_reuse_distance": COSMETIC,
+    "stage3_gather_16bit_weights_on_model_save": COSMETIC,
+    "stage3_gather_fp16_weights_on_model_save": COSMETIC,
+    "gather_16bit_weights_on_model_save": COSMETIC,
+    "sub_group_size": COSMETIC,
+    "load_from_fp32_weights": COSMETIC,
+    "ignore_unused_parameters": COSMETIC,
+    "legacy_stage1": COSMETIC,
+    "memory_efficient_linear": COSMETIC,
+    "use_multi_rank_bucket_allreduce": COSMETIC,
+    "override_module_apply": COSMETIC,
+    "mics_hierarchical_params_gather": COSMETIC,
+    "pipeline_loading_checkpoint": COSMETIC,
+}
+
+# DeepSpeed spellings that mean the same as one of ours.
+ROOT_ALIASES: dict[str, str] = {"bfloat16": "bf16", "zero_optimization_stage": "zero_optimization.stage"}
+
+
+def is_switched_off(value: object) -> bool:
+    """True for a section that asks for nothing: `{"enabled": false}`, `false`, or an offload to "none"."""
+    if value is False or value is None:
+        return True
+    if isinstance(value, dict):
+        if value.get("enabled") is False:
+            return True
+        device = value.get("device")
+        return device is not None and str(device).lower() == "none"
+    return False

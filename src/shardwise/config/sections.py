@@ -1,0 +1,91 @@
+"""Typed, frozen config sections, one model per DeepSpeed config section.
+
+Only `parse.py` reads the raw JSON/dict; everything downstream receives one of these objects and
+reads its fields directly. Every model forbids unknown keys so that a typo is an error, never a
+silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FP16Config(Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0.0, description="0 selects dynamic loss scaling")
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0.0)
+
+
+class BF16Config(Section):
+    enabled: bool = False
+
+
+OptimizerName = Literal["adam", "adamw", "sgd", "lamb", "adagrad"]
+SchedulerName = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+
+
+class OptimizerConfig(Section):
+    type: OptimizerName
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(Section):
+    type: SchedulerName
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`. Sizes are in elements, as in DeepSpeed."""
+
+    stage: int = Field(0, ge=0, le=3)
+    reduce_bucket_size: int = Field(500_000_000, ge=1)
+    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    contiguous_gradients: bool = True
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    elastic_checkpoint: bool = False
+
+
+class Config(Section):
+    """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved."""
+
+    train_batch_size: int = Field(ge=1)
+    train_micro_batch_size_per_gpu: int = Field(ge=1)
+    gradient_accumulation_steps: int = Field(ge=1)
+    steps_per_print: int = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    seed: int | None = None
+    collective_timeout_s: float = Field(
+        1800.0, gt=0.0, description="a collective not done after this long is an error naming rank, op and group"
+    )
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = BF16Config()
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = ZeroConfig()
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError(
+                "fp16.enabled and bf16.enabled: at most one may be true; got both. "
+                "Pick bf16 on hardware that has it (no loss scaling needed), else fp16."
+            )
+        return self

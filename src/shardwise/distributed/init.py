@@ -1,0 +1,57 @@
+"""`init_distributed`: join (or create) the default process group, DeepSpeed's signature."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import accelerator
+from .env import discover
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: object | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialise torch.distributed once; later calls are no-ops. MPI discovery arrives with multi-node."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first, or drop dist_init_required."
+        )
+    env = discover(distributed_port)
+    if rank >= 0 and world_size > 0:
+        env = type(env)(rank, world_size, env.local_rank, env.local_world_size, env.master_addr, env.master_port)
+    env.export()
+    backend = dist_backend or accelerator.backend()
+    device = accelerator.device_for(env.local_rank)
+    accelerator.set_device(device)
+    if device.type == "cpu":
+        torch.set_num_threads(accelerator.cpu_threads_per_rank(env.local_world_size))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    if verbose and env.rank == 0:
+        logger.info("shardwise: %d process(es), backend %s, master %s:%d", env.world_size, backend,
+                    env.master_addr, env.master_port)

@@ -1,0 +1,150 @@
+"""Wiring: config → topology → precision → strategy → Engine; returns DeepSpeed's 4-tuple."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import accelerator
+from .config import Config, ConfigError, parse_config
+from .distributed import Collectives, Group, Topology, init_distributed
+from .monitor.console import ensure_console_handler
+from .optim.registry import build_optimizer
+from .precision import PrecisionPolicy
+from .runtime.data import DistributedLoader
+from .runtime.engine import Engine
+from .runtime.strategy import MakeOptimizer, ParamGroups, StrategyInputs, make_strategy
+
+OptimizerArg = torch.optim.Optimizer | Callable[[ParamGroups], torch.optim.Optimizer] | None
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    config: str | Path | Mapping[str, Any] | None = None,
+    config_params: str | Path | Mapping[str, Any] | None = None,
+) -> tuple[Engine, torch.optim.Optimizer, DistributedLoader | None, Any]:
+    """Build a training engine around `model`: `(engine, optimizer, training_dataloader, lr_scheduler)`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: an nn.Module is required; got {type(model).__name__}.")
+    if mpu is not None:
+        raise ValueError("mpu: Megatron-style model-parallel units are not supported yet; drop the argument.")
+    raw = _config_source(args, config, config_params)
+    init_distributed(dist_init_required=dist_init_required)
+    ensure_console_handler()
+    cfg = parse_config(raw, dp_size=dist.get_world_size())
+    groups = _param_groups(optimizer, model_parameters, model)
+    make_optimizer = _optimizer_factory(optimizer, cfg)
+    _validate_scheduler(cfg, lr_scheduler)
+    if cfg.seed is not None:
+        _seed_everything(cfg.seed)
+
+    local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+    device = accelerator.device_for(local_rank)
+    topology = Topology(device.type)
+    comm = Collectives(cfg.collective_timeout_s)
+    model.to(device)
+    _broadcast_module(model, topology.data, comm)
+    precision = PrecisionPolicy.from_config(cfg)
+    strategy = make_strategy(StrategyInputs(
+        module=model, param_groups=groups, make_optimizer=make_optimizer, precision=precision,
+        dp_group=topology.data, comm=comm, zero=cfg.zero_optimization,
+        prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
+    ))
+    scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
+    engine = Engine(cfg, topology, strategy, precision, comm, scheduler, device, local_rank)
+    loader = None
+    if training_data is not None:
+        loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
+                                   topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn)
+        engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "shardwise_config", None)
+    given = [c for c in (config, config_params, from_args) if c is not None]
+    if not given:
+        raise ConfigError(["config: none given; pass config= (a dict or a JSON path) or --deepspeed_config PATH."])
+    if len(given) > 1:
+        raise ConfigError(["config: given more than once (config=, config_params= or args.deepspeed_config); pass exactly one."])
+    return given[0]
+
+
+def _param_groups(optimizer: OptimizerArg, model_parameters: Iterable[Any] | None, model: torch.nn.Module) -> ParamGroups:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [dict(g) for g in optimizer.param_groups]
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if params and isinstance(params[0], dict):
+        return [{**g, "params": list(g["params"])} for g in params]
+    return [{"params": params}]
+
+
+def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError(["optimizer: given both as an argument and in the config; keep one of the two."])
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _rebind(optimizer)
+    if callable(optimizer):
+        return lambda groups: optimizer([g for g in groups if g["params"]])
+    if cfg.optimizer is None:
+        raise ConfigError(['optimizer: none given; pass optimizer= to initialize or add an "optimizer" section.'])
+    opt_cfg = cfg.optimizer
+    build_optimizer(opt_cfg, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])  # fail now, on every rank alike
+    return lambda groups: build_optimizer(opt_cfg, [g for g in groups if g["params"]])
+
+
+def _rebind(optimizer: torch.optim.Optimizer) -> MakeOptimizer:
+    """Point a client optimizer's groups at the strategy's parameters, keeping its hyper-parameters."""
+
+    def make(groups: ParamGroups) -> torch.optim.Optimizer:
+        if optimizer.state:
+            raise ValueError("optimizer: it already holds state (it has stepped); pass a freshly built optimizer.")
+        for group, mapped in zip(optimizer.param_groups, groups):
+            group["params"] = mapped["params"]
+        return optimizer
+
+    return make
+
+
+def _validate_scheduler(cfg: Config, lr_scheduler: Any) -> None:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError(["scheduler: given both as lr_scheduler= and in the config; keep one of the two."])
+
+
+def _make_scheduler(cfg: Config, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    from .optim.schedulers import SCHEDULERS
+
+    try:
+        return SCHEDULERS[cfg.scheduler.type](optimizer, **cfg.scheduler.params)
+    except TypeError as e:
+        raise ConfigError([f"scheduler.params: {cfg.scheduler.type} rejected {cfg.scheduler.params}: {e}"]) from e
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _broadcast_module(model: torch.nn.Module, group: Group, comm: Collectives) -> None:
+    """Start every data-parallel rank from rank 0's weights and buffers, as DDP does."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            comm.broadcast(tensor.data, 0, group).wait()

@@ -1,0 +1,1 @@
+"""Where a run's figures go: console now; CSV, TensorBoard and wandb behind one protocol later."""

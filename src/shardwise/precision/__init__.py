@@ -1,0 +1,6 @@
+"""Mixed precision: the dtype policy and the loss scalers."""
+
+from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler, make_loss_scaler
+from .policy import PrecisionPolicy
+
+__all__ = ["DynamicLossScaler", "LossScaler", "NoLossScaler", "PrecisionPolicy", "StaticLossScaler", "make_loss_scaler"]

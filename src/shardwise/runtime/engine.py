@@ -1,0 +1,179 @@
+"""The Engine: DeepSpeed's training facade (forward / backward / step / save / load).
+
+It stays small because it only sequences the pieces: the sharding strategy owns parameters,
+gradients and the optimizer; the precision policy owns dtypes and the loss scaler; `take_step`
+owns the step arithmetic; the checkpoint package owns files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..distributed import Collectives, Topology
+from ..monitor.console import ConsoleLog
+from ..precision import PrecisionPolicy
+from .step import StepResult, take_step
+from .strategy import ShardingStrategy
+
+
+class Engine(torch.nn.Module):
+    def __init__(
+        self,
+        config: Config,
+        topology: Topology,
+        strategy: ShardingStrategy,
+        precision: PrecisionPolicy,
+        comm: Collectives,
+        lr_scheduler: Any,
+        device: torch.device,
+        local_rank: int,
+    ):
+        super().__init__()
+        self.module = strategy.module
+        self.config = config
+        self.topology = topology
+        self.strategy = strategy
+        self.precision = precision
+        self.comm = comm
+        self.lr_scheduler = lr_scheduler
+        self.device = device
+        self.local_rank = local_rank
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._last_step: StepResult | None = None
+        self._window_loss = 0.0
+        self._window_tokens = 0
+        self.training_dataloader: Any = None
+        self._console = ConsoleLog(config.steps_per_print, enabled=self.global_rank == 0)
+
+    # --- DeepSpeed's accessors -------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._last_step.grad_norm if self._last_step else None
+
+    def was_step_applied(self) -> bool:
+        return bool(self._last_step and self._last_step.applied)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scaler.scale
+
+    # --- training ------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.precision.auto_cast:
+            inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
+        self._window_tokens += _token_count(inputs, kwargs)
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        if loss.dim() != 0:
+            raise ValueError(f"loss: must be a scalar tensor; got shape {tuple(loss.shape)}. Reduce it (e.g. .mean()) first.")
+        reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        self.strategy.begin_backward(reduce)
+        self._window_loss += float(loss.detach())
+        factor = self.precision.loss_scaler.scale
+        if scale_wrt_gas:
+            factor /= self.gradient_accumulation_steps()
+        (loss * factor).backward(retain_graph=retain_graph)
+        self.strategy.finish_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        if self._in_no_sync:
+            raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping)
+        if self._last_step.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        gas = self.gradient_accumulation_steps()
+        self._console.on_step(
+            self.global_steps, self._window_loss / gas, self.train_batch_size(),
+            self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale,
+        )
+        self._window_loss, self._window_tokens = 0.0, 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communication."""
+        previous, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> str:
+        from ..checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
+        from ..checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _token_count(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tokens in a micro-batch: the size of the first integer tensor input (token ids), else 0."""
+    for value in (*inputs, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 2:
+            return value.numel()
+    return 0

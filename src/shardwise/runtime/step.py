@@ -1,0 +1,40 @@
+"""One optimizer step, the same for every strategy: overflow check, unscale, clip, step, rescale.
+
+Overflow and clipping both come from one global gradient norm: a non-finite norm means some gradient
+overflowed (fp16), and the same norm gives the clip coefficient. Unscaling and clipping are folded
+into one multiply.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..precision import LossScaler
+from .strategy import ShardingStrategy
+
+
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool
+    grad_norm: float
+    """Global norm of the unscaled gradients before clipping; nan/inf on a skipped step."""
+
+
+def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float) -> StepResult:
+    scale = scaler.scale
+    norm = float(strategy.grad_norm()) / scale
+    overflow = scaler.checks_overflow and not math.isfinite(norm)
+    scaler.update(overflow)
+    if overflow:
+        strategy.zero_grads()
+        return StepResult(False, norm)
+    factor = 1.0 / scale
+    if clip > 0:
+        # torch.nn.utils.clip_grad_norm_'s coefficient, applied only when it shrinks.
+        factor *= min(1.0, clip / (norm + 1e-6))
+    if factor != 1.0:
+        strategy.scale_grads(factor)
+    strategy.optimizer_step()
+    strategy.zero_grads()
+    return StepResult(True, norm)

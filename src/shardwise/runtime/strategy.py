@@ -1,0 +1,73 @@
+"""The sharding-strategy protocol, one for ZeRO stages 0-3, and the one place a stage is chosen.
+
+The engine talks only to this interface and never branches on the stage. A strategy owns the
+module's parameters as training sees them, the gradient reduction, the master weights and the
+optimizer over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..config import ConfigError, ZeroConfig
+from ..distributed import Collectives, Group
+from ..precision import PrecisionPolicy
+
+ParamGroups = list[dict[str, Any]]
+"""torch.optim-style parameter groups over the module's parameters."""
+
+MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]
+"""Builds (or re-points) the optimizer over the strategy's master parameters."""
+
+
+class ShardingStrategy(Protocol):
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def begin_backward(self, reduce: bool) -> None:
+        """Before a micro-step's backward; `reduce` is true when it ends an accumulation window."""
+
+    def finish_backward(self) -> None:
+        """After backward: every gradient is reduced (when `reduce` was set) and ready to step."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the (loss-scaled) gradients, identical on every rank."""
+
+    def scale_grads(self, factor: float) -> None: ...
+
+    def optimizer_step(self) -> None:
+        """Update the master weights and make the module's parameters current."""
+
+    def zero_grads(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class StrategyInputs:
+    module: torch.nn.Module
+    param_groups: ParamGroups
+    make_optimizer: MakeOptimizer
+    precision: PrecisionPolicy
+    dp_group: Group
+    comm: Collectives
+    zero: ZeroConfig
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+
+
+def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:
+    stage = inputs.zero.stage
+    if stage == 0:
+        from ..zero.data_parallel import DataParallel
+
+        return DataParallel(inputs)
+    raise ConfigError([
+        f"zero_optimization.stage: stages 1-3 are not available yet in this shardwise version; got {stage}. "
+        "Use stage 0 (data parallel) for now."
+    ])

@@ -1,0 +1,90 @@
+"""ZeRO stage 0: plain data parallelism.
+
+Every rank holds the whole model and optimizer state. Gradients accumulate in fp32 buckets and are
+all-reduced (averaged) during the backward of the last micro-step. With fp16/bf16 the module computes
+in 16 bits while fp32 master copies are what the optimizer updates; with fp32 the module's own
+parameters are the masters (no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..runtime.strategy import ParamGroups, StrategyInputs
+from .grad_buckets import AllReduceMean, GradAveraging, GradBuckets
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters that receive gradients, each once (tied parameters appear once), in module order."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamGroups:
+    """The same groups with each trainable parameter replaced by its master; frozen ones dropped."""
+    mapped = []
+    for group in groups:
+        params = [masters[id(p)] for p in group["params"] if id(p) in masters]
+        if params:
+            mapped.append({**group, "params": params})
+    return mapped
+
+
+class DataParallel:
+    def __init__(self, inputs: StrategyInputs):
+        module, precision = inputs.module, inputs.precision
+        self.module = module
+        self.precision = precision
+        self.params = trainable_parameters(module)
+        if precision.mixed:
+            # Masters come from the fp32 weights before the module is cast, so nothing is rounded away.
+            self.masters = [torch.nn.Parameter(p.detach().to(precision.master_dtype).clone()) for p in self.params]
+            module.to(dtype=precision.param_dtype)
+        else:
+            self.masters = self.params
+        master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        self.optimizer = inputs.make_optimizer(_map_groups(inputs.param_groups, master_of))
+        averaging = GradAveraging.make(inputs.dp_group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
+        reducer = AllReduceMean(inputs.comm, inputs.dp_group, averaging, precision.reduce_dtype)
+        self.buckets = GradBuckets(self.params, inputs.zero.reduce_bucket_size, precision.master_dtype, reducer)
+        self._grad_views = [self.buckets.view(p) for p in self.params]
+
+    def begin_backward(self, reduce: bool) -> None:
+        self.buckets.begin(reduce)
+
+    def finish_backward(self) -> None:
+        self.buckets.finish()
+
+    def grad_norm(self) -> torch.Tensor:
+        # Gradients are replicated after the all-reduce: the local norm is the global one.
+        squares = sum(torch.dot(flat, flat) for flat in self.buckets.flats())
+        return torch.as_tensor(squares).sqrt()
+
+    def scale_grads(self, factor: float) -> None:
+        for flat in self.buckets.flats():
+            flat.mul_(factor)
+
+    def optimizer_step(self) -> None:
+        for master, view in zip(self.masters, self._grad_views):
+            master.grad = view
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        if self.precision.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+    def zero_grads(self) -> None:
+        self.buckets.zero()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for master, saved in zip(self.masters, state["masters"]):
+                master.copy_(saved)
+            if self.precision.mixed:
+                torch._foreach_copy_([p.data for p in self.params], self.masters)

@@ -1,0 +1,73 @@
+"""The multi-process test harness: run a function on N gloo ranks and get each rank's result.
+
+Forks N processes (fast: no re-import of torch), each with the env a launcher would set (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT) and one intra-op thread. A rank that raises
+sends its traceback back; the parent raises one error with every failing rank's traceback. A hard
+timeout kills every rank and names those that had not finished.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import traceback
+from typing import Any, Callable
+
+from shardwise.distributed.env import free_port
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp.Queue, args: tuple, kwargs: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        value = fn(*args, **kwargs)
+        # Plain pickle copies tensor bytes; torch's queue pickler would pass shared-memory handles
+        # that die with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("fork")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, results, args, kwargs), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise RankFailure(f"timed out after {timeout:.0f}s; ranks {missing} did not finish") from None
+            outcomes[rank] = (status, value)
+            if status == "error":
+                break  # the others are likely blocked in a collective with the failed rank
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if len(outcomes) < world_size else 10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    if errors:
+        raise RankFailure("\n".join(f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

@@ -1,0 +1,116 @@
+"""The oracle for distributed features: a plain single-process PyTorch loop with the same seed and
+effective batch. Shared by the data-parallel and ZeRO parity tests.
+
+`TinyNet` has what sharding gets wrong first: two parameter groups (decay / no decay), a frozen
+parameter, a tied parameter (embedding reused as the output projection), and parameter sizes that do
+not divide by 3 or 4 (padding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, DIM, SEQ = 37, 24, 5
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.frozen = torch.nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.hidden = torch.nn.Linear(DIM, 3 * DIM + 1)
+        self.out = torch.nn.Linear(3 * DIM + 1, DIM)
+        self.norm = torch.nn.LayerNorm(DIM)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + torch.tanh(self.frozen(x))
+        x = x + self.out(F.gelu(self.hidden(x)))
+        logits = self.norm(x) @ self.embed.weight.t()  # tied with the embedding
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def make_model(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict[str, Any]]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    return tokens, labels
+
+
+def micro_batch(step: int, micro: int, rank: int, micro_size: int, accum: int, world: int):
+    """This rank's slice of step `step`'s global batch for accumulation micro-step `micro`."""
+    tokens, labels = global_batch(step, micro_size * accum * world)
+    start = (micro * world + rank) * micro_size
+    return tokens[start : start + micro_size], labels[start : start + micro_size]
+
+
+def oracle(steps: int, batch: int, lr: float = 1e-2, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """AdamW on the whole batch in one process: the losses and final parameters to match."""
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.99), eps=1e-8)
+    losses = []
+    for step in range(steps):
+        loss = model(*global_batch(step, batch))
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ds_config(micro: int, accum: int, clip: float = 0.0, lr: float = 1e-2, **extra: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8}},
+        **extra,
+    }
+
+
+def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine."""
+    import torch.distributed as dist
+
+    import shardwise
+
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
+    micro, accum, world = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for m in range(accum):
+            loss = engine(*micro_batch(step, m, dist.get_rank(), micro, accum, world))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / (accum * world))
+    params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, params, engine
+
+
+def assert_close_run(losses, params, ref_losses, ref_params, rtol: float) -> None:
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= rtol * abs(b), f"step {i}: loss {a} vs oracle {b}"
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref.float(), rtol=rtol, atol=rtol, msg=lambda m: f"{name}: {m}")
