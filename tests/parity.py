@@ -59,10 +59,16 @@ def micro_batch(step: int, micro: int, rank: int, micro_size: int, accum: int, w
     return tokens[start : start + micro_size], labels[start : start + micro_size]
 
 
-def oracle(steps: int, batch: int, lr: float = 1e-2, clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """AdamW on the whole batch in one process: the losses and final parameters to match."""
+def oracle(steps: int, batch: int, lr: float = 1e-2, clip: float = 0.0, optimizer: str = "adamw") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole batch in one process: the losses and final parameters to match.
+
+    SGD runs matter as much as AdamW ones: Adam normalises away a wrongly scaled gradient, SGD does not.
+    """
     model = make_model()
-    opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.99), eps=1e-8)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(param_groups(model), lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.99), eps=1e-8)
     losses = []
     for step in range(steps):
         loss = model(*global_batch(step, batch))
@@ -75,13 +81,18 @@ def oracle(steps: int, batch: int, lr: float = 1e-2, clip: float = 0.0) -> tuple
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def ds_config(micro: int, accum: int, clip: float = 0.0, lr: float = 1e-2, **extra: Any) -> dict[str, Any]:
+def ds_config(micro: int, accum: int, clip: float = 0.0, lr: float = 1e-2, optimizer: str = "adamw", **extra: Any) -> dict[str, Any]:
+    opt = (
+        {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}}
+        if optimizer == "sgd"
+        else {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8}}
+    )
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": clip,
         "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8}},
+        "optimizer": opt,
         **extra,
     }
 

@@ -17,15 +17,17 @@ def _train(config):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_fp32_matches_oracle(world):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fp32_matches_oracle(world, optimizer):
     micro, accum = 4 // world if world < 4 else 1, 2
     batch = micro * accum * world
-    ref_losses, ref_params = oracle(STEPS, batch)
-    (losses, params, _), *_ = run_distributed(_train, world, ds_config(micro, accum))
+    lr = 1e-2 if optimizer == "adamw" else 0.1
+    ref_losses, ref_params = oracle(STEPS, batch, lr=lr, optimizer=optimizer)
+    (losses, params, _), *_ = run_distributed(_train, world, ds_config(micro, accum, lr=lr, optimizer=optimizer))
     assert_close_run(losses, params, ref_losses, ref_params, rtol=1e-5)
 
 
 def test_clipping_matches_torch_clip_grad_norm():
-    ref_losses, ref_params = oracle(STEPS, 8, clip=0.05)
-    (losses, params, _), _ = run_distributed(_train, 2, ds_config(2, 2, clip=0.05))
+    ref_losses, ref_params = oracle(STEPS, 8, clip=0.05, lr=0.1, optimizer="sgd")
+    (losses, params, _), _ = run_distributed(_train, 2, ds_config(2, 2, clip=0.05, lr=0.1, optimizer="sgd"))
     assert_close_run(losses, params, ref_losses, ref_params, rtol=1e-5)

@@ -34,15 +34,16 @@ def _optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Opti
 
 
 def _check_params(cls: type, params: dict[str, Any]) -> None:
+    is_adam = cls in (torch.optim.Adam, torch.optim.AdamW)
     allowed = {n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")}
-    allowed |= _IMPLEMENTATION_KEYS if cls in (torch.optim.Adam, torch.optim.AdamW) else set()
+    allowed |= _IMPLEMENTATION_KEYS if is_adam else set()
     problems = []
     for key in params:
         if key not in allowed:
             close = difflib.get_close_matches(key, sorted(allowed), n=1)
             hint = f"Did you mean '{close[0]}'? " if close else ""
             problems.append(f"optimizer.params.{key}: unknown for {cls.__name__}. {hint}Allowed: {', '.join(sorted(allowed))}.")
-    if params.get("bias_correction", True) is not True:
+    if is_adam and params.get("bias_correction", True) is not True:
         problems.append("optimizer.params.bias_correction: only true is supported; got false. Remove the key.")
     if problems:
         raise ConfigError(problems)
@@ -52,11 +53,12 @@ def build_optimizer(cfg: OptimizerConfig, param_groups: Iterable[dict[str, Any]]
     params = dict(cfg.params)
     cls = _optimizer_class(cfg.type, params)
     _check_params(cls, params)
-    kwargs = {k: v for k, v in params.items() if k not in _IMPLEMENTATION_KEYS}
+    kwargs = dict(params)
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        kwargs = {k: v for k, v in params.items() if k not in _IMPLEMENTATION_KEYS}
+        kwargs["fused"] = True
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if cls in (torch.optim.Adam, torch.optim.AdamW):
-        kwargs.setdefault("fused", True)
     try:
         return cls(list(param_groups), **kwargs)
     except (TypeError, ValueError) as e:
