@@ -1,10 +1,30 @@
-"""shardwise: train PyTorch models too large for one device, with DeepSpeed's API."""
+"""shardwise: train PyTorch models too large for one device, with DeepSpeed's API.
 
-from .config import ConfigError
-from .distributed import init_distributed
-from .initialize import initialize
-from .runtime.engine import Engine
+The public names load on first use, so `shardwise --help` and the launcher start without importing
+the training stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .version import __version__
-from .arguments import add_config_arguments
 
-__all__ = ["ConfigError", "Engine", "__version__", "add_config_arguments", "init_distributed", "initialize"]
+_PUBLIC = {
+    "initialize": ".initialize",
+    "init_distributed": ".distributed.init",
+    "add_config_arguments": ".arguments",
+    "ConfigError": ".config.errors",
+    "Engine": ".runtime.engine",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -51,7 +52,7 @@ def initialize(
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
 
-    local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = accelerator.device_for(local_rank)
     topology = Topology(device.type)
     comm = Collectives(cfg.collective_timeout_s)

@@ -140,8 +140,11 @@ def _solve_batch(raw: dict[str, Any], dp_size: int) -> list[str]:
             ]
         train = derived
     elif train is not None:
-        fixed_name, fixed = ("gradient_accumulation_steps", accum) if accum is not None else ("train_micro_batch_size_per_gpu", micro)
-        fixed = fixed if fixed is not None else 1
+        # Derive the missing one; with train_batch_size alone, accumulation defaults to 1.
+        if micro is not None:
+            fixed_name, fixed = "train_micro_batch_size_per_gpu", micro
+        else:
+            fixed_name, fixed = "gradient_accumulation_steps", accum if accum is not None else 1
         if train % (fixed * dp_size):
             return [
                 f"train_batch_size ({train}) is not divisible by {fixed_name} ({fixed}) × data-parallel size "

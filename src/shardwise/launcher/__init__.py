@@ -1,0 +1,1 @@
+"""The ``shardwise`` command: starts training processes (``cli`` parses and dispatches, ``local`` runs one node)."""

@@ -1,0 +1,152 @@
+"""Single-node launching: turns a :class:`LocalLaunch` plan into a ``torch.distributed.run`` invocation.
+
+PyTorch's elastic agent does all process supervision (spawning, env vars RANK/LOCAL_RANK/WORLD_SIZE/
+MASTER_ADDR/MASTER_PORT, stopping the other ranks when one fails); this module only builds its arguments,
+chooses a usable master port and turns a worker failure into a short message and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.utils import macros
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """Everything needed to start ``nproc`` workers of one script on this machine."""
+
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    module: bool = False
+    no_python: bool = False
+    pass_local_rank: bool = True
+
+
+def visible_cuda_devices() -> int:
+    """CUDA devices this process may use (respects CUDA_VISIBLE_DEVICES); 0 on a CPU-only machine."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_nproc() -> int:
+    """Number of workers when none is asked for: one per visible CUDA device, else one CPU process."""
+    return visible_cuda_devices() or 1
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP server could listen on ``port`` on all interfaces (as the agent's store will)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port left in TIME_WAIT is usable, only a listening socket makes it busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def find_free_port() -> int:
+    """A port the OS reports free right now (another process may still take it before we do)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_args(plan: LocalLaunch) -> list[str]:
+    """The worker's argv after the script: DeepSpeed's ``--local_rank=<r>`` first, then the user's args.
+
+    ``macros.local_rank`` is replaced by the elastic agent with each worker's local rank.
+    """
+    prefix = [f"--local_rank={macros.local_rank}"] if plan.pass_local_rank else []
+    return prefix + list(plan.script_args)
+
+
+def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
+    """The ``argparse.Namespace`` that ``torch.distributed.run.run`` takes for this plan.
+
+    The script's own args are set after parsing so nothing in them is read as a torchrun option.
+    """
+    argv = [
+        "--nnodes=1",
+        f"--nproc-per-node={plan.nproc}",
+        f"--master-addr={plan.master_addr}",
+        f"--master-port={plan.master_port}",
+        "--max-restarts=0",  # one failing rank stops the job; no silent restarts
+    ]
+    argv += ["--module"] if plan.module else []
+    argv += ["--no-python"] if plan.no_python else []
+    args = torchrun.get_args_parser().parse_args([*argv, plan.script])
+    args.training_script_args = worker_args(plan)
+    return args
+
+
+def _how_it_ended(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"signal {-failure.exitcode} ({failure.signal_name()})"
+    return f"exit code {failure.exitcode}"
+
+
+def describe_failure(error: ChildFailedError) -> str:
+    """A short summary: the rank that failed first (whose traceback the user wants) and how the rest ended.
+
+    Workers' stderr is not redirected, so the failing rank's own traceback is already on our stderr;
+    the elastic agent's long error report (which lacks it unless the script uses ``@record``) is not printed.
+    """
+    rank, first = error.get_first_failure()
+    others = sorted((r, f) for r, f in error.failures.items() if r != rank)
+    rest = "; ".join(f"rank {r}: {_how_it_ended(f)}" for r, f in others)
+    return (
+        f"shardwise: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first, with "
+        f"{_how_it_ended(first)}; its traceback is above. The job was stopped"
+        + (f" (other ranks ended with {rest})." if rest else ".")
+    )
+
+
+def exit_code_of(error: ChildFailedError) -> int:
+    """The launcher's exit status for a failed job: the failing rank's, or 1 if it died by signal."""
+    code = error.get_first_failure()[1].exitcode
+    return code if 0 < code < 256 else 1
+
+
+def launch_local(plan: LocalLaunch) -> int:
+    """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
+    if plan.nproc > 1:
+        # torchrun's own default for several workers, set here to skip its multi-line banner.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun.run(torchrun_args(plan))
+    except ChildFailedError as error:
+        print(describe_failure(error), file=sys.stderr, flush=True)
+        return exit_code_of(error)
+    except SignalException as stop:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the workers
+        print(f"shardwise: stopped by {stop.sigval.name}; all ranks were stopped.", file=sys.stderr, flush=True)
+        return 128 + int(stop.sigval)
+    return 0
+
+
+def pick_default_master_port() -> int:
+    """The default port 29500, or a free one (said on stderr) when something already listens there."""
+    if port_is_free(DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT
+    port = find_free_port()
+    print(
+        f"shardwise: master port {DEFAULT_MASTER_PORT} is in use on this machine; using free port {port} "
+        "(pass --master_port to choose one).",
+        file=sys.stderr,
+        flush=True,
+    )
+    return port
