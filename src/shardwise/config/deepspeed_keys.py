@@ -12,14 +12,8 @@ COSMETIC = "cosmetic"
 CHANGES_TRAINING = "changes training"
 
 ROOT_KEYS: dict[str, str] = {
-    "tensorboard": COSMETIC,
-    "csv_monitor": COSMETIC,
-    "wandb": COSMETIC,
     "comet": COSMETIC,
     "monitor": COSMETIC,
-    "comms_logger": COSMETIC,
-    "flops_profiler": COSMETIC,
-    "memory_breakdown": COSMETIC,
     "dump_state": COSMETIC,
     "autotuning": COSMETIC,
     "zero_allow_untested_optimizer": COSMETIC,
@@ -35,7 +29,6 @@ ROOT_KEYS: dict[str, str] = {
     "curriculum_learning": CHANGES_TRAINING,
     "data_efficiency": CHANGES_TRAINING,
     "sparse_attention": CHANGES_TRAINING,
-    "data_types": CHANGES_TRAINING,
     "gradient_accumulation_dtype": CHANGES_TRAINING,
 }
 

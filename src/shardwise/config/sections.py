@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -59,6 +61,10 @@ class ZeroConfig(Section):
     elastic_checkpoint: bool = False
 
 
+class DataTypesConfig(Section):
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+
+
 class Config(Section):
     """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved."""
 
@@ -80,6 +86,13 @@ class Config(Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = ZeroConfig()
+    tensorboard: FileMonitorConfig = FileMonitorConfig()
+    csv_monitor: FileMonitorConfig = FileMonitorConfig()
+    wandb: WandbConfig = WandbConfig()
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
+    comms_logger: CommsLoggerConfig = CommsLoggerConfig()
+    memory_breakdown: bool = False
+    data_types: DataTypesConfig = DataTypesConfig()
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

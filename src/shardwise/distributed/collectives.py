@@ -1,15 +1,17 @@
 """The one choke point every collective of the library passes through.
 
 It counts calls and bytes per (op, group) — tests assert on these counts and the comms logger reads
-them — and bounds every wait: a collective that does not finish within the timeout becomes a
+them, with each message size's latency from issue to completed wait — and bounds every wait: a collective that does not finish within the timeout becomes a
 `CollectiveTimeout` naming the rank, the op, the group and the tensor shape, never a silent hang.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,10 +28,21 @@ class CollectiveTimeout(CollectiveError):
 
 
 @dataclass
+class SizeStats:
+    """Collectives of one message size: how many, and the summed issue → wait-complete latency of
+    those whose wait has completed (an overlapped collective's latency includes the compute it hid)."""
+
+    calls: int = 0
+    waited: int = 0
+    latency_s: float = 0.0
+
+
+@dataclass
 class OpStats:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    by_size: dict[int, SizeStats] = field(default_factory=lambda: defaultdict(SizeStats))
 
 
 @dataclass
@@ -37,12 +50,35 @@ class CommStats:
     """Calls and payload per (op, group name), as issued by this rank."""
 
     ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    group_sizes: dict[str, int] = field(default_factory=dict)
+    synchronize: Callable[[], None] | None = None
+    """Set by the comms logger on GPUs: waits for the device so latencies are device time, not launch time."""
+    on_complete: Callable[[str, str, int, float], None] | None = None
+    """Called with (op, group, bytes, seconds) when a collective's wait completes (the verbose comms log)."""
 
-    def record(self, op: str, group: str, tensor: torch.Tensor) -> None:
+    def record(self, op: str, group: str, tensor: torch.Tensor, group_size: int | None = None) -> Callable[[], None]:
+        """Count one collective; the returned callable, called when its wait completes, records its latency."""
         s = self.ops[(op, group)]
+        nbytes = tensor.numel() * tensor.element_size()
         s.calls += 1
         s.elements += tensor.numel()
-        s.bytes += tensor.numel() * tensor.element_size()
+        s.bytes += nbytes
+        if group_size is not None:
+            self.group_sizes[group] = group_size
+        by_size = s.by_size[nbytes]
+        by_size.calls += 1
+        start = time.perf_counter()
+
+        def completed() -> None:
+            if self.synchronize is not None:
+                self.synchronize()
+            seconds = time.perf_counter() - start
+            by_size.waited += 1
+            by_size.latency_s += seconds
+            if self.on_complete is not None:
+                self.on_complete(op, group, nbytes, seconds)
+
+        return completed
 
     def calls(self, op: str, group: str | None = None) -> int:
         return sum(s.calls for (o, g), s in self.ops.items() if o == op and group in (None, g))
@@ -57,11 +93,16 @@ class CommStats:
 class Pending:
     """An issued collective; `wait()` bounds the wait and turns failures into a named error."""
 
-    def __init__(self, work: dist.Work | None, describe: str, timeout: datetime.timedelta):
+    def __init__(self, work: dist.Work | None, describe: str, timeout: datetime.timedelta,
+                 completed: Callable[[], None] | None = None):
         self._work, self._describe, self._timeout = work, describe, timeout
+        self._completed = completed
 
     def wait(self) -> None:
+        completed, self._completed = self._completed, None
         if self._work is None:
+            if completed is not None:
+                completed()
             return
         work, self._work = self._work, None
         try:
@@ -71,6 +112,8 @@ class Pending:
             raise kind(f"{self._describe}: {e}") from e
         if completed is False:
             raise CollectiveTimeout(f"{self._describe}: did not complete within {self._timeout}")
+        if completed is not None:
+            completed()
 
 
 class Collectives:

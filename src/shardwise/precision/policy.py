@@ -25,6 +25,10 @@ class PrecisionPolicy:
     master_dtype: torch.dtype
     """What the optimizer updates and gradients accumulate in: fp32 always, so that small updates and
     sums over micro-batches are not lost to rounding."""
+    grad_accum_dtype: torch.dtype
+    """What gradients accumulate in across micro-steps and are stepped from: fp32 by default (sums of
+    many micro-batches lose bits in 16-bit); `data_types.grad_accum_dtype` = the 16-bit type halves
+    gradient memory, as DeepSpeed's ZeRO memory formulas assume."""
     loss_scaler: LossScaler
     auto_cast: bool = False
     """Cast floating-point inputs to `param_dtype` in the engine's forward (fp16.auto_cast)."""
@@ -41,6 +45,7 @@ class PrecisionPolicy:
             param_dtype=param,
             reduce_dtype=reduce,
             master_dtype=torch.float32,
+            grad_accum_dtype=_DTYPES[cfg.data_types.grad_accum_dtype or "fp32"],
             loss_scaler=make_loss_scaler(cfg.fp16),
             auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast,
         )

@@ -138,6 +138,11 @@ class Engine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without communication."""
+        if self.strategy.reduces_every_micro_step:
+            raise RuntimeError(
+                "engine.no_sync(): ZeRO stage 2 reduces gradients into partitions during every backward, so "
+                "there is no local accumulation to defer; use gradient_accumulation_steps instead."
+            )
         previous, self._in_no_sync = self._in_no_sync, True
         try:
             yield

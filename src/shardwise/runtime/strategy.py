@@ -26,6 +26,9 @@ MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]
 class ShardingStrategy(Protocol):
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    reduces_every_micro_step: bool
+    """True when gradients must be reduced during every backward (stage 2 keeps only partitions), so
+    there is no local accumulation that `no_sync` could defer."""
 
     def begin_backward(self, reduce: bool) -> None:
         """Before a micro-step's backward; `reduce` is true when it ends an accumulation window."""
@@ -67,7 +70,11 @@ def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:
         from ..zero.data_parallel import DataParallel
 
         return DataParallel(inputs)
+    if stage in (1, 2):
+        from ..zero.sharded_optimizer import ShardedDataParallel
+
+        return ShardedDataParallel(inputs, stage)
     raise ConfigError([
-        f"zero_optimization.stage: stages 1-3 are not available yet in this shardwise version; got {stage}. "
-        "Use stage 0 (data parallel) for now."
+        f"zero_optimization.stage: stage 3 is not available yet in this shardwise version; got {stage}. "
+        "Use stage 2 (partitioned gradients and optimizer state) for now."
     ])

@@ -13,12 +13,18 @@ from typing import Any
 import torch
 
 from ..runtime.strategy import ParamGroups, StrategyInputs
-from .grad_buckets import AllReduceMean, GradAveraging, GradBuckets
+from .grad_buckets import GradBuckets
+from .reducers import AllReduceMean, GradAveraging
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters that receive gradients, each once (tied parameters appear once), in module order."""
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over a list of tensors, accumulated in fp32."""
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).norm()
 
 
 def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamGroups:
@@ -32,6 +38,8 @@ def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamG
 
 
 class DataParallel:
+    reduces_every_micro_step = False
+
     def __init__(self, inputs: StrategyInputs):
         module, precision = inputs.module, inputs.precision
         self.module = module
@@ -47,8 +55,10 @@ class DataParallel:
         self.optimizer = inputs.make_optimizer(_map_groups(inputs.param_groups, master_of))
         averaging = GradAveraging.make(inputs.dp_group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         reducer = AllReduceMean(inputs.comm, inputs.dp_group, averaging, precision.reduce_dtype)
-        self.buckets = GradBuckets(self.params, inputs.zero.reduce_bucket_size, precision.master_dtype, reducer)
-        self._grad_views = [self.buckets.view(p) for p in self.params]
+        self.buckets = GradBuckets.replicated(self.params, inputs.zero.reduce_bucket_size, precision.grad_accum_dtype,
+                                              reducer, overlap=inputs.zero.overlap_comm)
+        views = {id(p): b.slot_view(i).view_as(p) for b in self.buckets.buckets for i, p in enumerate(b.params)}
+        self._grad_views = [views[id(p)] for p in self.params]
 
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(reduce)
@@ -58,16 +68,14 @@ class DataParallel:
 
     def grad_norm(self) -> torch.Tensor:
         # Gradients are replicated after the all-reduce: the local norm is the global one.
-        squares = sum(torch.dot(flat, flat) for flat in self.buckets.flats())
-        return torch.as_tensor(squares).sqrt()
+        return _norm(self.buckets.shard_grads())
 
     def scale_grads(self, factor: float) -> None:
-        for flat in self.buckets.flats():
-            flat.mul_(factor)
+        torch._foreach_mul_(self.buckets.shard_grads(), factor)
 
     def optimizer_step(self) -> None:
         for master, view in zip(self.masters, self._grad_views):
-            master.grad = view
+            master.grad = view if view.dtype == master.dtype else view.to(master.dtype)
         self.optimizer.step()
         for master in self.masters:
             master.grad = None

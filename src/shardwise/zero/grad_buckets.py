@@ -1,9 +1,16 @@
-"""Gradient buckets: flat fp32 buffers that gradients accumulate into, reduced during backward.
+"""Gradient buckets: flat buffers that gradients accumulate into, reduced during backward.
 
 Each trainable parameter gets a post-accumulate-grad hook that adds its gradient into its slot of a
-bucket and frees the parameter's own `.grad` at once. On a micro-step that ends an accumulation
-window, a bucket whose gradients have all arrived is reduced asynchronously while backward goes on,
-so communication overlaps compute; other micro-steps only accumulate (no communication).
+bucket and frees the parameter's own `.grad` at once. When a bucket's gradients have all arrived on
+a micro-step that reduces, its reduction is launched asynchronously while backward goes on, so
+communication overlaps compute. Micro-steps that do not reduce only accumulate (no communication).
+
+Two storage modes:
+- persistent (stages 0 and 1): every bucket keeps a full flat buffer for the whole run;
+  `shard_grad` is the slice this rank steps on (the whole buffer at stage 0).
+- partitioned (stage 2): a bucket's full buffer exists only from its first gradient until its
+  reduce-scatter completes; what persists is `shard_grad`, this rank's slice, accumulated across
+  micro-steps.
 
 Buckets are launched strictly in bucket order, so every rank issues the same sequence of
 collectives even if hooks fire in a slightly different order (a mismatch would corrupt or hang).
@@ -11,147 +18,115 @@ collectives even if hooks fire in a slightly different order (a mismatch would c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
-from ..distributed import Collectives, Group
-from ..distributed.collectives import Pending
 from .flat_param import BucketLayout, plan_buckets
+from .reducers import Reducer
 
 
-@dataclass(frozen=True)
-class GradAveraging:
-    """How the sum over ranks becomes a mean: scale before and after the reduction.
-
-    DeepSpeed's semantics: `prescale_gradients` divides by the world size before reducing; otherwise
-    gradients are divided by `gradient_predivide_factor` before and multiplied by factor / world after
-    (which keeps fp16 sums in range for large worlds).
-    """
-
-    before: float
-    after: float
-
-    @classmethod
-    def make(cls, world: int, prescale: bool, predivide_factor: float) -> GradAveraging:
-        if prescale:
-            return cls(1.0 / world, 1.0)
-        return cls(1.0 / predivide_factor, predivide_factor / world)
-
-
-class Reducer(Protocol):
-    """Reduces one bucket's flat gradient; stage 0 all-reduces, stage 2 reduce-scatters."""
-
-    def launch(self, flat: torch.Tensor) -> Callable[[], None]:
-        """Start the reduction of `flat`; the returned callable waits and finishes it."""
-        ...
-
-
-class AllReduceMean:
-    def __init__(self, comm: Collectives, group: Group, averaging: GradAveraging, reduce_dtype: torch.dtype):
-        self.comm, self.group, self.averaging, self.reduce_dtype = comm, group, averaging, reduce_dtype
-
-    def launch(self, flat: torch.Tensor) -> Callable[[], None]:
-        before, after = self.averaging.before, self.averaging.after
-        wire = flat if self.reduce_dtype == flat.dtype else torch.empty_like(flat, dtype=self.reduce_dtype)
-        if wire is flat:
-            if before != 1.0:
-                flat.mul_(before)
-        else:
-            torch.mul(flat, before, out=wire) if before != 1.0 else wire.copy_(flat)
-        pending: Pending = self.comm.all_reduce(wire, self.group)
-
-        def finish() -> None:
-            pending.wait()
-            if wire is not flat:
-                flat.copy_(wire)
-            if after != 1.0:
-                flat.mul_(after)
-
-        return finish
-
-
-class _Bucket:
-    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], dtype: torch.dtype):
-        device = params[0].device
-        self.layout = layout
-        self.flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        self.views = [self.flat[s.offset : s.offset + s.numel].view_as(p) for s, p in zip(layout.slots, params)]
+class Bucket:
+    def __init__(self, layout: BucketLayout, params: list[torch.nn.Parameter], dtype: torch.dtype,
+                 shard: tuple[int, int], partitioned: bool):
+        self.layout, self.params, self.dtype = layout, params, dtype
+        self.device = params[0].device
+        self.shard = shard
+        self.partitioned = partitioned
+        self.flat: torch.Tensor | None = None if partitioned else self.new_flat()
+        lo, hi = shard
+        self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=self.device) if partitioned else self.flat[lo:hi]
         self.waiting = len(params)
+
+    def new_flat(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+
+    def slot_view(self, i: int) -> torch.Tensor:
+        """Parameter i's slot of the full buffer (allocating it in partitioned mode)."""
+        if self.flat is None:
+            self.flat = self.new_flat()
+        slot = self.layout.slots[i]
+        return self.flat[slot.offset : slot.offset + slot.numel]
+
+    def zero(self) -> None:
+        (self.shard_grad if self.partitioned else self.flat).zero_()
 
 
 class GradBuckets:
-    def __init__(self, params: list[torch.nn.Parameter], bucket_numel: int, dtype: torch.dtype, reducer: Reducer):
-        # Gradients arrive roughly in reverse registration order: bucket in that order so the first
-        # bucket fills (and is sent) first.
-        ordered = list(reversed(params))
-        layouts = plan_buckets([p.numel() for p in ordered], bucket_numel)
+    def __init__(self, buckets: list[Bucket], reducer: Reducer, overlap: bool = True):
+        self.buckets = buckets
         self.reducer = reducer
-        self.buckets: list[_Bucket] = []
-        self._views: dict[int, torch.Tensor] = {}
+        self.overlap = overlap
         self._hooks = []
-        start = 0
-        for layout in layouts:
-            members = ordered[start : start + len(layout.slots)]
-            start += len(layout.slots)
-            bucket = _Bucket(layout, members, dtype)
-            index = len(self.buckets)
-            self.buckets.append(bucket)
-            for param, view in zip(members, bucket.views):
-                self._views[id(param)] = view
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, view)))
-        self.params = params
+        for index, bucket in enumerate(buckets):
+            for i, param in enumerate(bucket.params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, i)))
         self._reducing = False
         self._next = 0
         self._in_flight: list[Callable[[], None]] = []
 
-    def view(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The accumulated (and, after `finish`, reduced) gradient of `param`."""
-        return self._views[id(param)]
+    @classmethod
+    def replicated(cls, params: list[torch.nn.Parameter], bucket_numel: int, dtype: torch.dtype,
+                   reducer: Reducer, overlap: bool = True) -> GradBuckets:
+        """Stage 0: every rank keeps and steps on whole buckets."""
+        # Gradients arrive roughly in reverse registration order: bucket in that order so the
+        # first bucket fills (and is sent) first.
+        ordered = list(reversed(params))
+        buckets, start = [], 0
+        for layout in plan_buckets([p.numel() for p in ordered], bucket_numel):
+            members = ordered[start : start + len(layout.slots)]
+            start += len(members)
+            buckets.append(Bucket(layout, members, dtype, (0, layout.padded_numel), partitioned=False))
+        return cls(buckets, reducer, overlap)
 
     def begin(self, reduce: bool) -> None:
-        """Called before each backward: `reduce` is true on the micro-step that ends accumulation."""
+        """Called before each backward: `reduce` is true on micro-steps whose gradients are reduced."""
         self._reducing = reduce
         self._next = 0
         self._in_flight.clear()
         for bucket in self.buckets:
-            bucket.waiting = len(bucket.views)
+            bucket.waiting = len(bucket.params)
 
-    def _hook(self, index: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def _hook(self, index: int, i: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
-            view.add_(param.grad.view_as(view))
+            bucket = self.buckets[index]
+            bucket.slot_view(i).add_(param.grad.reshape(-1))
             param.grad = None
             if self._reducing:
-                bucket = self.buckets[index]
                 bucket.waiting -= 1
-                self._launch_ready()
+                if self.overlap:
+                    self._launch_ready()
 
         return on_grad
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
-            self._in_flight.append(self.reducer.launch(self.buckets[self._next].flat))
+            self._launch(self.buckets[self._next])
             self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.flat is None:  # partitioned mode, no gradient arrived this micro-step
+            bucket.flat = bucket.new_flat()
+        self._in_flight.append(self.reducer.launch(bucket))
 
     def finish(self) -> None:
         """After backward: reduce what is left (parameters unused this step count as zero), then wait."""
         if not self._reducing:
             return
         for bucket in self.buckets[self._next :]:
-            self._in_flight.append(self.reducer.launch(bucket.flat))
+            self._launch(bucket)
         self._next = len(self.buckets)
         for finish in self._in_flight:
             finish()
         self._in_flight.clear()
         self._reducing = False
 
-    def flats(self) -> list[torch.Tensor]:
-        return [b.flat for b in self.buckets]
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [b.shard_grad for b in self.buckets]
 
     def zero(self) -> None:
         for bucket in self.buckets:
-            bucket.flat.zero_()
+            bucket.zero()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -1,0 +1,138 @@
+"""ZeRO stages 1 and 2: optimizer state (1) and gradients (2) partitioned across data-parallel ranks.
+
+The trainable parameters of each optimizer group are laid out in flat buckets (`flat_param.py`),
+padded so every rank owns an equal contiguous slice of each bucket. The module's parameters become
+views into these flat buffers, so the module itself is unchanged for forward, evaluation and
+`state_dict()`. Each rank keeps fp32 master weights and optimizer state only for its slices, steps
+them, and all-gathers the updated slices back into the flat buffers.
+
+Stage 1 keeps full gradient buckets (reduced once per accumulation window by reduce-scatter into the
+owner's slice); stage 2 keeps only the owned slice of each gradient and reduce-scatters every
+micro-step during backward (see `grad_buckets.py`, partitioned mode).
+
+Options DeepSpeed has that are no-ops here, and why: `contiguous_gradients` (gradients always go
+into contiguous buckets), `reduce_scatter` (always on: half the bytes of an all-reduce),
+`allgather_partitions` (always one all-gather per bucket), `allgather_bucket_size` (the all-gather
+runs per reduce bucket, so `reduce_bucket_size` bounds both), `round_robin_gradients` (an ordering
+aid for CPU offload), `elastic_checkpoint` (checkpoints are saved by parameter name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..runtime.strategy import StrategyInputs
+from .data_parallel import _norm, trainable_parameters
+from .flat_param import BucketLayout, plan_buckets
+from .grad_buckets import Bucket, GradBuckets
+from .reducers import GradAveraging, ReduceScatterMean
+
+
+class ShardedDataParallel:
+    def __init__(self, inputs: StrategyInputs, stage: int):
+        self.module, self.precision, self.group, self.comm = inputs.module, inputs.precision, inputs.dp_group, inputs.comm
+        self.stage = stage
+        self.reduces_every_micro_step = stage == 2
+        groups = _trainable_groups(inputs.param_groups, trainable_parameters(self.module))
+        buckets: list[Bucket] = []
+        self.bucket_group: list[int] = []
+        for index, params in enumerate(groups):
+            ordered = list(reversed(params))  # gradient arrival order: first bucket fills first
+            start = 0
+            for layout in plan_buckets([p.numel() for p in ordered], inputs.zero.reduce_bucket_size, self.group.size):
+                members = ordered[start : start + len(layout.slots)]
+                start += len(members)
+                shard = layout.shard_range(self.group.rank, self.group.size)
+                buckets.append(Bucket(layout, members, self.precision.grad_accum_dtype, shard, partitioned=stage == 2))
+                self.bucket_group.append(index)
+        self.param_flats, self.masters = zip(*(self._flatten(b) for b in buckets)) if buckets else ((), ())
+        if self.precision.mixed:
+            self.module.to(dtype=self.precision.param_dtype)  # frozen parameters and buffers
+        averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
+        reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2)
+        self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm)
+        self.optimizer = inputs.make_optimizer(self._master_groups(inputs.param_groups))
+
+    def _flatten(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move the bucket's parameters into one flat buffer; return it and this rank's master slice."""
+        layout: BucketLayout = bucket.layout
+        full = torch.zeros(layout.padded_numel, dtype=self.precision.master_dtype, device=bucket.device)
+        for slot, p in zip(layout.slots, bucket.params):
+            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        lo, hi = bucket.shard
+        if self.precision.mixed:
+            # The master slice comes from the fp32 weights, before they are rounded to 16 bits.
+            master = torch.nn.Parameter(full[lo:hi].clone())
+            full = full.to(self.precision.param_dtype)
+        else:
+            master = torch.nn.Parameter(full[lo:hi])  # fp32: the owned slice of the parameters is the master
+        for slot, p in zip(layout.slots, bucket.params):
+            p.data = full[slot.offset : slot.offset + slot.numel].view_as(p)
+        return full, master
+
+    def _master_groups(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        mapped = [{**g, "params": []} for g in param_groups]
+        for master, index in zip(self.masters, self.bucket_group):
+            mapped[index]["params"].append(master)
+        return mapped
+
+    def begin_backward(self, reduce: bool) -> None:
+        self.buckets.begin(reduce or self.reduces_every_micro_step)
+
+    def finish_backward(self) -> None:
+        self.buckets.finish()
+
+    def grad_norm(self) -> torch.Tensor:
+        local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.masters else torch.zeros(())
+        total = local_sq.reshape(1).to(self.buckets.buckets[0].device if self.masters else "cpu")
+        self.comm.all_reduce(total, self.group).wait()
+        return total.sqrt()[0]
+
+    def scale_grads(self, factor: float) -> None:
+        torch._foreach_mul_(self.buckets.shard_grads(), factor)
+
+    def optimizer_step(self) -> None:
+        for master, grad in zip(self.masters, self.buckets.shard_grads()):
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self.optimizer.step()
+        pending = []
+        for master, flat in zip(self.masters, self.param_flats):
+            master.grad = None
+            owned = master.detach().to(flat.dtype, copy=True)
+            pending.append(self.comm.all_gather(flat, owned, self.group))
+        for p in pending:
+            p.wait()
+
+    def zero_grads(self) -> None:
+        self.buckets.zero()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for master, saved, flat in zip(self.masters, state["masters"], self.param_flats):
+                master.copy_(saved)
+                self.comm.all_gather(flat, master.detach().to(flat.dtype, copy=True), self.group).wait()
+
+
+def _trainable_groups(param_groups: list[dict[str, Any]], trainable: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Each optimizer group's trainable parameters; a parameter in two groups is a user error."""
+    trainable_ids = {id(p) for p in trainable}
+    seen: set[int] = set()
+    groups = []
+    for index, group in enumerate(param_groups):
+        params = []
+        for p in group["params"]:
+            if id(p) not in trainable_ids:
+                continue
+            if id(p) in seen:
+                raise ValueError(f"optimizer param group {index}: a parameter of shape {tuple(p.shape)} is also in an "
+                                 "earlier group; each parameter may belong to one group only.")
+            seen.add(id(p))
+            params.append(p)
+        groups.append(params)
+    return groups
