@@ -19,10 +19,14 @@ _PUBLIC = {
     "Engine": ".runtime.engine",
 }
 
-__all__ = ["__version__", *_PUBLIC]
+_SUBMODULES = ("zero",)
+
+__all__ = ["__version__", *_PUBLIC, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
         globals()[name] = value
