@@ -47,9 +47,11 @@ def _resume(save_dir, config):
     return path, client, engine.global_steps, _train(engine, 3, 4)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_exact_resume(tmp_path, precision):
-    config = ds_config(2, 2, clip=1.0, **({precision: {"enabled": True}} if precision != "fp32" else {}))
+def test_exact_resume(tmp_path, precision, stage):
+    extra = {precision: {"enabled": True}} if precision != "fp32" else {}
+    config = ds_config(2, 2, clip=1.0, zero_optimization={"stage": stage}, **extra)
     saved = run_distributed(_save_then_continue, 2, str(tmp_path), config)
     resumed = run_distributed(_resume, 2, str(tmp_path), config)
     for (path, after, _), (loaded_path, client, steps, again) in zip(saved, resumed):
