@@ -89,9 +89,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: d
     dist.barrier()
     tree, tensors = layout.split_tensors(_rank_state(engine))
     save_file(tensors, str(partial / layout.state_file(rank)), metadata={"tree": json.dumps(tree)})
+    module_state = engine.module.state_dict()  # every rank: at stage 3 this gathers the shards
     if rank == 0:
-        model = {k: v.detach().contiguous().cpu() for k, v in engine.module.state_dict().items()}
+        model = {k: v.detach().contiguous().cpu() for k, v in module_state.items()}
         save_file(_untie(model), str(partial / layout.MODEL_FILE))
+    del module_state
     _fsync_dir_files(partial, rank)
     dist.barrier()
     if rank == 0:
@@ -170,7 +172,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
         raise CheckpointError(f"{path}: saved at world size {meta['world_size']} stage {meta['stage']}; loading at a "
                               "different world size or stage is not available yet.")
     weights = load_file(str(_verified(path / layout.MODEL_FILE, meta)))
-    engine.module.load_state_dict(weights, strict=load_module_strict)
+    engine.strategy.load_module_state_dict(weights, strict=load_module_strict)
     rank_file = _verified(path / layout.state_file(dist.get_rank()), meta)
     from safetensors import safe_open
 

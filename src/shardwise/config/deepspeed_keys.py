@@ -41,15 +41,7 @@ ZERO_KEYS: dict[str, str] = {
     "zero_quantized_gradients": CHANGES_TRAINING,
     "zero_hpz_partition_size": CHANGES_TRAINING,
     "mics_shard_size": CHANGES_TRAINING,
-    # Stage-3 and tuning knobs: they shape speed or stage-3 behaviour only.
-    "stage3_prefetch_bucket_size": COSMETIC,
-    "stage3_param_persistence_threshold": COSMETIC,
-    "stage3_max_live_parameters": COSMETIC,
-    "stage3_max_reuse_distance": COSMETIC,
-    "stage3_gather_16bit_weights_on_model_save": COSMETIC,
-    "stage3_gather_fp16_weights_on_model_save": COSMETIC,
-    "gather_16bit_weights_on_model_save": COSMETIC,
-    "sub_group_size": COSMETIC,
+    # Tuning knobs that shape speed only.
     "load_from_fp32_weights": COSMETIC,
     "ignore_unused_parameters": COSMETIC,
     "legacy_stage1": COSMETIC,

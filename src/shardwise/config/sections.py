@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 
@@ -59,6 +59,15 @@ class ZeroConfig(Section):
     allgather_partitions: bool = True
     round_robin_gradients: bool = False
     elastic_checkpoint: bool = False
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, validation_alias=AliasChoices("stage3_gather_16bit_weights_on_model_save",
+                                             "stage3_gather_fp16_weights_on_model_save",
+                                             "gather_16bit_weights_on_model_save"))
+    sub_group_size: int = Field(1_000_000_000, ge=1)
 
 
 class DataTypesConfig(Section):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..config import ConfigError, ZeroConfig
+from ..config import ZeroConfig
 from ..distributed import Collectives, Group
 from ..precision import PrecisionPolicy
 
@@ -46,6 +46,9 @@ class ShardingStrategy(Protocol):
 
     def zero_grads(self) -> None: ...
 
+    def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full module weights (by name) and refresh the master weights from them."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -74,7 +77,6 @@ def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:
         from ..zero.sharded_optimizer import ShardedDataParallel
 
         return ShardedDataParallel(inputs, stage)
-    raise ConfigError([
-        f"zero_optimization.stage: stage 3 is not available yet in this shardwise version; got {stage}. "
-        "Use stage 2 (partitioned gradients and optimizer state) for now."
-    ])
+    from ..zero.stage3.strategy import Stage3
+
+    return Stage3(inputs)

@@ -86,6 +86,12 @@ class DataParallel:
     def zero_grads(self) -> None:
         self.buckets.zero()
 
+    def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)
+        if self.precision.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(self.masters, [p.data for p in self.params])
+
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
 

@@ -53,10 +53,13 @@ class Bucket:
 
 
 class GradBuckets:
-    def __init__(self, buckets: list[Bucket], reducer: Reducer, overlap: bool = True):
+    def __init__(self, buckets: list[Bucket], reducer: Reducer, overlap: bool = True,
+                 on_complete: Callable[[int], None] | None = None):
         self.buckets = buckets
         self.reducer = reducer
         self.overlap = overlap
+        self.on_complete = on_complete
+        """Called with a bucket's index once all its gradients arrived (stage 3 frees the parameters then)."""
         self._hooks = []
         for index, bucket in enumerate(buckets):
             for i, param in enumerate(bucket.params):
@@ -94,6 +97,8 @@ class GradBuckets:
             param.grad = None
             if self._reducing:
                 bucket.waiting -= 1
+                if bucket.waiting == 0 and self.on_complete is not None:
+                    self.on_complete(index)
                 if self.overlap:
                     self._launch_ready()
 

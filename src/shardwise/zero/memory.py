@@ -51,7 +51,12 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 def measured_bytes(strategy: object) -> ModelStateBytes:
     """Bytes of trainable parameters, persistent gradient buffers and optimizer-side state this rank holds."""
-    params = [p for p in strategy.module.parameters() if p.requires_grad]  # type: ignore[attr-defined]
+    units = getattr(strategy, "units", None)
+    if units is not None:  # stage 3: the parameters are the units' slices (and full copies kept resident)
+        params = [u.shard for u in units if u.master is not None]
+        params += [u.full for u in units if u.persistent and u.master is not None]
+    else:
+        params = [p for p in strategy.module.parameters() if p.requires_grad]  # type: ignore[attr-defined]
     param_ptrs = {t.untyped_storage().data_ptr() for t in params}
     grads = [b.shard_grad for b in strategy.buckets.buckets]  # type: ignore[attr-defined]
     masters = [m for m in strategy.masters if m.untyped_storage().data_ptr() not in param_ptrs]  # type: ignore[attr-defined]

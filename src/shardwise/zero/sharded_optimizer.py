@@ -108,6 +108,14 @@ class ShardedDataParallel:
     def zero_grads(self) -> None:
         self.buckets.zero()
 
+    def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)  # parameters are views: this fills the flat buffers
+        if self.precision.mixed:
+            with torch.no_grad():
+                for master, flat, bucket in zip(self.masters, self.param_flats, self.buckets.buckets):
+                    lo, hi = bucket.shard
+                    master.copy_(flat[lo:hi])
+
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
 

@@ -1,0 +1,92 @@
+"""Turn a module's parameters into sharded units: which parameters share a unit, and each rank's slice.
+
+A unit is the direct parameters of one module that share an optimizer group and trainability (so a
+unit's master slice belongs to one optimizer group). A tied parameter belongs to the first module
+that holds it; other modules holding it gather the owner's unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...distributed import Collectives, Group
+from ..flat_param import BucketLayout, plan_buckets
+from .registry import EXTERNAL_PARAMS, INIT_SHARD_OF, UNIT_OF
+from .unit import LiveParams, ParamUnit
+
+_NO_CAP = 1 << 62
+
+
+def _group_index(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    index = {}
+    for i, group in enumerate(param_groups):
+        for p in group["params"]:
+            index.setdefault(id(p), i)
+    return index
+
+
+def plan_units(module: torch.nn.Module, param_groups: list[dict[str, Any]]) -> list[tuple[str, int, list[tuple[str, torch.nn.Parameter]]]]:
+    """(module name, optimizer group or -1 for frozen, [(param name, param)]) for every unit, in module order."""
+    group_of = _group_index(param_groups)
+    owned: set[int] = set()
+    plans = []
+    for mod_name, mod in module.named_modules():
+        by_key: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in owned:
+                continue
+            owned.add(id(p))
+            key = group_of.get(id(p), -1) if p.requires_grad else -1
+            full_name = f"{mod_name}.{name}" if mod_name else name
+            by_key.setdefault(key, []).append((full_name, p))
+        plans += [(mod_name, key, params) for key, params in by_key.items()]
+    return plans
+
+
+def _full_values(p: torch.nn.Parameter, comm: Collectives, group: Group, device: torch.device) -> torch.Tensor:
+    """The whole parameter, flat, in fp32: from its data, or gathered from its `zero.Init` shards."""
+    init = INIT_SHARD_OF.pop(p, None)
+    if init is None:
+        return p.detach().reshape(-1).to(device=device, dtype=torch.float32)
+    return init.gather().reshape(-1).to(device=device, dtype=torch.float32)
+
+
+def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype,
+               comm: Collectives, group: Group, live: LiveParams, device: torch.device,
+               persistence_threshold: int, trainable: bool) -> ParamUnit:
+    """Fill this rank's slice one parameter at a time (peak: the slice plus one whole parameter)."""
+    names, params = [n for n, _ in named], [p for _, p in named]
+    shapes = [INIT_SHARD_OF[p].shape if p in INIT_SHARD_OF else p.shape for p in params]
+    layout: BucketLayout = plan_buckets([s.numel() for s in shapes], _NO_CAP, align=group.size)[0]
+    lo, hi = layout.shard_range(group.rank, group.size)
+    master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    for slot, p, shape in zip(layout.slots, params, shapes):
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        values = _full_values(p, comm, group, device)
+        if start < end:
+            master[start - lo : end - lo] = values[start - slot.offset : end - slot.offset]
+    # fp32: the slice the optimizer updates is the very one that is all-gathered (no copy).
+    shard = master if param_dtype == torch.float32 else master.to(param_dtype)
+    unit = ParamUnit(index, module_name, params, names, layout, shard, group, comm, live,
+                     persistent=layout.numel < persistence_threshold,
+                     master=torch.nn.Parameter(master) if trainable else None)
+    for p in params:
+        UNIT_OF[p] = unit
+    return unit
+
+
+def units_by_module(module: torch.nn.Module, units: list[ParamUnit]) -> dict[torch.nn.Module, list[ParamUnit]]:
+    """The units each module needs: those owning its direct parameters and its registered external ones."""
+    needs: dict[torch.nn.Module, list[ParamUnit]] = {}
+    for mod in module.modules():
+        params = list(mod.parameters(recurse=False)) + EXTERNAL_PARAMS.get(mod, [])
+        found: list[ParamUnit] = []
+        for p in params:
+            unit = UNIT_OF.get(p)
+            if unit is not None and all(unit is not u for u in found):
+                found.append(unit)
+        if found:
+            needs[mod] = found
+    return needs

@@ -1,0 +1,132 @@
+"""Module hooks that gather a module's units just before it runs (forward and backward) and release
+them after, with prefetching by the recorded execution order.
+
+Registered in one place (`Stage3Hooks.__init__`), handles kept so `remove()` undoes everything.
+Release rules: after a module's forward its units are released unless they are needed again soon
+(`max_reuse_distance`); in backward, a unit with trainable parameters is released when all its
+gradients have been handed to the gradient buckets, a frozen unit when its module's backward has
+produced the gradients of its inputs, and whatever is left at the end of backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .trace import ExecutionTrace
+from .unit import LiveParams, ParamUnit
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, hooks: Stage3Hooks, module: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hooks, ctx.module = hooks, module
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hooks.post_backward(ctx.module)
+        return (None, None, *grads)
+
+
+class Stage3Hooks:
+    def __init__(self, root: torch.nn.Module, units_of: dict[torch.nn.Module, list[ParamUnit]], live: LiveParams,
+                 prefetch_numel: int, max_live: int, max_reuse_distance: int):
+        self.root, self.units_of, self.live = root, units_of, live
+        self.prefetch_numel, self.max_live, self.max_reuse = prefetch_numel, max_live, max_reuse_distance
+        self.trace = ExecutionTrace()
+        self._bwd_users: dict[int, int] = {}
+        self._handles = []
+        for module in units_of:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+        if root not in units_of:
+            self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+
+    def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self.trace.start_pass(torch.is_grad_enabled())
+
+    def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
+        self.trace.record(event, units)
+        for unit in units:
+            unit.gather_async()
+        self._prefetch()
+        for unit in units:
+            unit.wait()
+
+    def _prefetch(self) -> None:
+        budget = self.prefetch_numel
+        for unit in self.trace.upcoming():
+            if unit.persistent or unit.state.value != "sharded":
+                continue
+            if unit.numel > budget or self.live.live + unit.numel > self.max_live:
+                return
+            budget -= unit.numel
+            unit.gather_async()
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if module is self.root:
+            self.trace.start_pass(torch.is_grad_enabled())
+        units = self.units_of[module]
+        for unit in units:
+            unit.users += 1
+        self._fetch(("forward", id(module)), units)
+        if not torch.is_grad_enabled():
+            return None
+        flat = [(i, t) for i, t in enumerate(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not flat:
+            return None
+        wrapped = _AfterBackward.apply(self, module, *(t for _, t in flat))
+        args = list(args)
+        for (i, _), t in zip(flat, wrapped):
+            args[i] = t
+        return tuple(args), kwargs
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        for unit in self.units_of[module]:
+            unit.users -= 1
+            if unit.users <= 0 and not self.trace.reused_within(unit, self.max_reuse):
+                unit.release()
+        if torch.is_grad_enabled():
+            needs_grad = [t for t in _tensors(output) if t.requires_grad]
+            if needs_grad:
+                torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(module), mode="any")
+        return None
+
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        self._bwd_users[id(module)] = self._bwd_users.get(id(module), 0) + 1
+        self._fetch(("backward", id(module)), self.units_of[module])
+
+    def post_backward(self, module: torch.nn.Module) -> None:
+        left = self._bwd_users.get(id(module), 1) - 1
+        self._bwd_users[id(module)] = left
+        if left <= 0:
+            for unit in self.units_of[module]:
+                if unit.master is None:  # frozen: no gradient hook will release it
+                    unit.release()
+
+    def release_all(self, units: Iterable[ParamUnit], force: bool = False) -> None:
+        for unit in units:
+            unit.release(force=force)
+
+    def end_backward(self) -> None:
+        self._bwd_users.clear()
+        self.trace.commit()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

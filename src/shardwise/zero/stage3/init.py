@@ -1,0 +1,185 @@
+"""`zero.Init` (partition a model while it is built) and `GatheredParameters` (see whole parameters).
+
+Inside `Init`, every module's parameters are partitioned as soon as that module's constructor
+returns: each rank keeps `ceil(numel / N)` elements of each parameter, so building an N-layer model
+peaks at about 1/N of it plus its largest layer. The engine later regroups these slices into units.
+Torch is patched only inside the context manager (module constructors are wrapped) and restored on
+exit, even on error.
+
+A model whose constructor re-initialises its submodules afterwards (Hugging Face's `post_init`)
+re-initialises already partitioned (empty) parameters, which does nothing: load its weights after
+building it (`load_state_dict_partitioned`), as `from_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ... import accelerator
+from ...distributed import Collectives, Group, init_distributed
+from .registry import INIT_SHARD_OF, UNIT_OF, InitShard
+
+
+def _subclasses(cls: type) -> set[type]:
+    found = set()
+    for sub in cls.__subclasses__():
+        found.add(sub)
+        found |= _subclasses(sub)
+    return found
+
+
+class Init(contextlib.ContextDecorator):
+    """DeepSpeed's `zero.Init(config_dict_or_path=..., enabled=True)`."""
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: Any = None,
+                 config_dict_or_path: str | Path | Mapping[str, Any] | None = None, config: Any = None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, **unused: Any):
+        self.enabled = enabled
+        self._originals: dict[type, Any] = {}
+        self._depth: dict[int, int] = {}
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        init_distributed()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.group = Group("data", dist.group.WORLD, world, rank)
+        self.comm = Collectives()
+        self.device = accelerator.device_for(int(os.environ.get("LOCAL_RANK", 0)))
+        for cls in _subclasses(torch.nn.Module) | {torch.nn.Module}:
+            self._wrap(cls)
+        # Classes defined inside the block are wrapped as they are created.
+        self._had_init_subclass = "__init_subclass__" in torch.nn.Module.__dict__
+        self._init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+        torch.nn.Module.__init_subclass__ = classmethod(lambda cls, **kw: self._wrap(cls))  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        if self._had_init_subclass:
+            torch.nn.Module.__init_subclass__ = self._init_subclass  # type: ignore[assignment]
+        else:
+            del torch.nn.Module.__init_subclass__
+        for cls, original in self._originals.items():
+            cls.__init__ = original
+        self._originals.clear()
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or cls in self._originals:
+            return
+        self._originals[cls] = original
+
+        @functools.wraps(original)
+        def init(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            key = id(module)
+            self._depth[key] = self._depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                self._depth[key] -= 1
+                if self._depth[key] == 0:
+                    del self._depth[key]
+                    self._partition(module)
+
+        cls.__init__ = init
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if p in INIT_SHARD_OF or p.numel() == 0:
+                continue
+            chunk = math.ceil(p.numel() / self.group.size)
+            shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
+            entry = InitShard(p.shape, p.numel(), shard, self.group, self.comm)
+            entry.write_back(p.detach())
+            INIT_SHARD_OF[p] = entry
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+
+
+def is_partitioned(param: torch.nn.Parameter) -> bool:
+    return param in INIT_SHARD_OF or param in UNIT_OF
+
+
+class GatheredParameters(contextlib.AbstractContextManager):
+    """Whole parameters inside the block; with `modifier_rank`, that rank's changes are kept everywhere.
+
+    A collective: every rank must enter it with the same parameters. Parameters that are not
+    partitioned pass through untouched.
+    """
+
+    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
+                 fwd_module: Any = None, enabled: bool = True):
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.params = [p for p in params if is_partitioned(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._units: list[Any] = []
+
+    def __enter__(self) -> GatheredParameters:
+        for p in self.params:
+            unit = UNIT_OF.get(p)
+            if unit is not None:
+                if all(unit is not u for u in self._units):
+                    self._units.append(unit)
+                    unit.users += 1
+                    unit.gather_async()
+            else:
+                p.data = INIT_SHARD_OF[p].gather().clone()
+        for unit in self._units:
+            unit.wait()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            if self.modifier_rank is not None:
+                self._broadcast_changes()
+            for p in self.params:
+                if p in INIT_SHARD_OF:
+                    INIT_SHARD_OF[p].write_back(p.data)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            for unit in self._units:
+                unit.users -= 1
+                if unit.users <= 0:
+                    unit.release()
+
+    def _broadcast_changes(self) -> None:
+        for p in self.params:
+            owner = UNIT_OF.get(p) or INIT_SHARD_OF[p]
+            owner.comm.broadcast(p.data, self.modifier_rank, owner.group).wait()
+        for unit in self._units:
+            lo, hi = unit.layout.shard_range(unit.group.rank, unit.group.size)
+            unit.shard.copy_(unit.full[lo:hi])
+            if unit.master is not None and unit.master.data is not unit.shard:
+                unit.master.data.copy_(unit.shard)
+
+
+def load_state_dict_partitioned(module: torch.nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Stream a full state dict into a model partitioned by `zero.Init`, one tensor at a time.
+
+    Each rank keeps only its slice of each tensor, so no rank ever holds the whole model.
+    """
+    named = dict(module.named_parameters())
+    missing = [n for n in named if n not in state]
+    if strict and missing:
+        raise KeyError(f"load_state_dict_partitioned: missing {missing[:10]}; pass strict=False to skip them.")
+    with torch.no_grad():
+        for name, p in named.items():
+            if name not in state:
+                continue
+            if p in INIT_SHARD_OF:
+                INIT_SHARD_OF[p].write_back(state[name])
+            elif p in UNIT_OF:
+                raise ValueError(f"{name}: the model is already inside an engine; use engine.load_checkpoint "
+                                 "or engine.strategy.load_module_state_dict instead.")
+            else:
+                p.copy_(state[name])
+        buffers = {k: v for k, v in state.items() if k not in named}
+        module.load_state_dict(buffers, strict=False)

@@ -1,0 +1,184 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned across data-parallel ranks.
+
+Each rank holds 1/N of every unit (see `unit.py`); full parameters exist only while the module that
+needs them runs (`hooks.py`). Gradients are reduce-scattered per unit as soon as the unit's
+gradients are complete (the partitioned gradient buckets of stage 2, one bucket per unit). After the
+optimizer step the updated slices simply stay where they are: the next forward gathers them.
+
+`reduce_bucket_size` is not used at stage 3: a unit's gradients are reduce-scattered in one call as
+soon as they are complete, so the unit (a module's parameters) is the bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...runtime.strategy import StrategyInputs
+from ..data_parallel import _norm
+from ..grad_buckets import Bucket, GradBuckets
+from ..reducers import GradAveraging, ReduceScatterMean
+from .build import build_unit, plan_units, units_by_module
+from .hooks import Stage3Hooks
+from .unit import LiveParams, ParamUnit
+
+
+class Stage3:
+    reduces_every_micro_step = True
+
+    def __init__(self, inputs: StrategyInputs):
+        self.module, self.precision, self.group, self.comm = inputs.module, inputs.precision, inputs.dp_group, inputs.comm
+        zero = inputs.zero
+        self.live = LiveParams()
+        device = _device_of(self.module)
+        self.units: list[ParamUnit] = []
+        self.unit_group: dict[int, int] = {}
+        for module_name, group_index, named in plan_units(self.module, inputs.param_groups):
+            unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm, self.group,
+                              self.live, device, zero.stage3_param_persistence_threshold, trainable=group_index >= 0)
+            self.units.append(unit)
+            self.unit_group[unit.index] = group_index
+        if self.precision.mixed:
+            self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
+        self.trainable = [u for u in self.units if u.master is not None]
+        averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
+        reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True)
+        buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
+                          partitioned=True) for u in reversed(self.trainable)]
+        self._bucket_unit = list(reversed(self.trainable))
+        self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete)
+        self.hooks = Stage3Hooks(self.module, units_by_module(self.module, self.units), self.live,
+                                 zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+                                 zero.stage3_max_reuse_distance)
+        self._gather_persistent()
+        groups = [{**g, "params": []} for g in inputs.param_groups]
+        for unit in self.trainable:
+            groups[self.unit_group[unit.index]]["params"].append(unit.master)
+        self.optimizer = inputs.make_optimizer(groups)
+        # Plain functions: torch marks public state-dict hooks with an attribute, which a bound method cannot take.
+        self._state_dict_handles = [
+            self.module.register_state_dict_pre_hook(lambda *a: self._before_state_dict(*a)),
+            self.module.register_state_dict_post_hook(lambda *a: self._after_state_dict(*a)),
+        ]
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [u.master for u in self.trainable]
+
+    def _grads_complete(self, bucket_index: int) -> None:
+        self._bucket_unit[bucket_index].release()
+
+    def _gather_persistent(self) -> None:
+        persistent = [u for u in self.units if u.persistent]
+        for unit in persistent:
+            unit.gather_async()
+        for unit in persistent:
+            unit.wait()
+
+    def begin_backward(self, reduce: bool) -> None:
+        self.buckets.begin(True)
+
+    def finish_backward(self) -> None:
+        self.buckets.finish()
+        self.hooks.end_backward()
+        for unit in self.units:
+            unit.release()
+
+    def grad_norm(self) -> torch.Tensor:
+        local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.trainable else torch.zeros(())
+        total = local_sq.reshape(1)
+        self.comm.all_reduce(total, self.group).wait()
+        return total.sqrt()[0]
+
+    def scale_grads(self, factor: float) -> None:
+        torch._foreach_mul_(self.buckets.shard_grads(), factor)
+
+    def optimizer_step(self) -> None:
+        for bucket, unit in zip(self.buckets.buckets, self._bucket_unit):
+            grad = bucket.shard_grad
+            unit.master.grad = grad if grad.dtype == unit.master.dtype else grad.to(unit.master.dtype)
+        self.optimizer.step()
+        with torch.no_grad():
+            for unit in self.trainable:
+                unit.master.grad = None
+                if unit.shard is not unit.master.data:
+                    unit.shard.copy_(unit.master)
+        for unit in self.units:  # every gathered copy is stale now
+            unit.release(force=True)
+        self._gather_persistent()
+
+    def zero_grads(self) -> None:
+        self.buckets.zero()
+
+    def explain_forward_error(self, error: RuntimeError) -> str | None:
+        """A shape error during forward is most often a partitioned parameter read outside its module."""
+        text = str(error)
+        if not any(word in text for word in ("size", "shape", "dimension")):
+            return None
+        return (f"{text}\nZeRO-3: parameters are partitioned (empty) outside their own module's forward. If a "
+                "module reads another module's parameter (e.g. a tied embedding used by a head), call "
+                "shardwise.zero.register_external_parameter(reading_module, parameter) before initialize, or "
+                "read it inside shardwise.zero.GatheredParameters([parameter]).")
+
+    # --- consolidated module state ---------------------------------------------------------
+    def _before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        for unit in self.units:
+            unit.users += 1
+            unit.gather_async()
+        for unit in self.units:
+            unit.wait()
+
+    def _after_state_dict(self, module: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.detach().clone()
+        for unit in self.units:
+            unit.users -= 1
+            if unit.users <= 0:
+                unit.release()
+
+    def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Stream full weights into the slices: each rank keeps the part of each tensor it owns."""
+        names = {n for u in self.units for n in u.names}
+        _check_names(names, set(state), strict)
+        with torch.no_grad():
+            for unit in self.units:
+                target = unit.master if unit.master is not None else unit.shard
+                lo, hi = unit.layout.shard_range(self.group.rank, self.group.size)
+                for slot, name in zip(unit.layout.slots, unit.names):
+                    start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                    if name in state and start < end:
+                        flat = state[name].reshape(-1)
+                        target[start - lo : end - lo] = flat[start - slot.offset : end - slot.offset]
+                if target is not unit.shard:
+                    unit.shard.copy_(target)
+                unit.release(force=True)
+        buffers = {k: v for k, v in state.items() if k not in names}
+        self.module.load_state_dict(buffers, strict=False)
+        self._gather_persistent()
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for unit, saved in zip(self.trainable, state["masters"]):
+                unit.master.copy_(saved)
+                if unit.shard is not unit.master.data:
+                    unit.shard.copy_(unit.master)
+        for unit in self.units:
+            unit.release(force=True)
+        self._gather_persistent()
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters(), torch.empty(0)).device
+
+
+def _check_names(expected: set[str], given: set[str], strict: bool) -> None:
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if strict and missing:
+        raise KeyError(f"load_module_state_dict: missing parameters {missing[:10]}{' ...' if len(missing) > 10 else ''}.")

@@ -1,0 +1,114 @@
+"""A parameter unit: the direct parameters of one module, flattened and sharded across ranks.
+
+[Note: stage-3 unit lifecycle] A unit is SHARDED (each rank keeps only its equal slice, `shard`),
+GATHERING (an all-gather into `full` is in flight) or FULL (the module's parameters are views into
+`full`). Every transition is checked. Releasing frees `full`'s storage (resized to 0 bytes, so views
+that autograd saved for backward stay attached and see the data again after the next gather) and
+points each parameter at an empty placeholder, so that reading a released parameter is a shape
+error rather than a read of freed memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ...distributed import Collectives, Group
+from ...distributed.collectives import Pending
+from ..flat_param import BucketLayout
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+@dataclass
+class LiveParams:
+    """Elements of non-persistent units currently gathered (or being gathered), and the peak."""
+
+    live: int = 0
+    peak: int = 0
+    gathers: int = 0
+
+    def add(self, numel: int) -> None:
+        self.live += numel
+        self.peak = max(self.peak, self.live)
+        self.gathers += 1
+
+
+@dataclass(eq=False)
+class ParamUnit:
+    index: int
+    module_name: str
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    layout: BucketLayout
+    shard: torch.Tensor
+    """This rank's slice of the flat parameters, in the compute dtype."""
+    group: Group
+    comm: Collectives
+    live: LiveParams
+    persistent: bool = False
+    """Small units stay gathered for the whole run (stage3_param_persistence_threshold)."""
+    master: torch.Tensor | None = None
+    """The fp32 master slice the optimizer steps (trainable units); `shard` itself in fp32 training."""
+    state: UnitState = UnitState.SHARDED
+    users: int = 0
+    _pending: Pending | None = None
+    full: torch.Tensor = field(init=False)
+    _views: list[torch.Tensor] = field(init=False)
+    _placeholders: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self._views = [self.full[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(self.layout.slots, self.params)]
+        self._placeholders = [torch.empty(0, dtype=self.shard.dtype, device=self.shard.device) for _ in self.params]
+        self.full.untyped_storage().resize_(0)
+        for p, empty in zip(self.params, self._placeholders):
+            p.data = empty
+
+    @property
+    def numel(self) -> int:
+        return self.layout.padded_numel
+
+    def _expect(self, *states: UnitState) -> None:
+        if self.state not in states:
+            raise RuntimeError(f"ZeRO-3 unit {self.module_name!r}: is {self.state.value}, expected "
+                               f"{' or '.join(s.value for s in states)}; the gather/release order is broken.")
+
+    def gather_async(self) -> None:
+        """Start the all-gather if the unit is sharded; a no-op when gathering or full."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self._pending = self.comm.all_gather(self.full, self.shard, self.group)
+        self.state = UnitState.GATHERING
+        if not self.persistent:
+            self.live.add(self.numel)
+
+    def wait(self) -> None:
+        """Block until full; afterwards the module's parameters hold the whole tensors."""
+        self.gather_async()
+        if self.state is UnitState.GATHERING:
+            self._pending.wait()
+            self._pending = None
+            for p, view in zip(self.params, self._views):
+                p.data = view
+            self.state = UnitState.FULL
+
+    def release(self, force: bool = False) -> None:
+        """Free the full parameters (persistent units keep them unless `force`)."""
+        if self.state is UnitState.SHARDED or (self.persistent and not force):
+            return
+        self._expect(UnitState.FULL)
+        for p, empty in zip(self.params, self._placeholders):
+            p.data = empty
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+        self.users = 0
+        if not self.persistent:
+            self.live.live -= self.numel
