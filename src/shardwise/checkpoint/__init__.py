@@ -1,5 +1,5 @@
 """Checkpoints: safetensors + a JSON manifest, written atomically, loaded without unpickling."""
 
-from .io import CheckpointError, load_checkpoint, read_manifest, save_checkpoint
+from .io import CheckpointError, load_checkpoint, read_manifest, save_16bit_model, save_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "read_manifest", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "read_manifest", "save_16bit_model", "save_checkpoint"]

@@ -9,6 +9,7 @@ previous tag intact and `latest` pointing at a complete checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -22,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from ..version import __version__
 from . import layout
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -188,3 +191,29 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     return str(path), meta["client_state"]
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str) -> str | None:
+    """Consolidated weights in the training dtype, as one safetensors file written by rank 0.
+
+    At stage 3 this gathers every parameter on every rank, so it runs only when
+    `stage3_gather_16bit_weights_on_model_save` is set (DeepSpeed's rule); otherwise it says so and
+    returns None.
+    """
+    zero = engine.config.zero_optimization
+    if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        logger.warning("save_16bit_model: nothing saved; at ZeRO stage 3 set "
+                       "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (it gathers the whole "
+                       "model on every rank), or use save_checkpoint, whose shards any layout can load.")
+        return None
+    state = engine.module.state_dict()
+    path = Path(save_dir) / save_filename
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        save_file(_untie({k: v.detach().contiguous().cpu() for k, v in state.items()}), str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    dist.barrier()
+    return str(path)

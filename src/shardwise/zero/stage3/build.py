@@ -69,7 +69,7 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
             master[start - lo : end - lo] = values[start - slot.offset : end - slot.offset]
     # fp32: the slice the optimizer updates is the very one that is all-gathered (no copy).
     shard = master if param_dtype == torch.float32 else master.to(param_dtype)
-    unit = ParamUnit(index, module_name, params, names, layout, shard, group, comm, live,
+    unit = ParamUnit(index, module_name, params, names, shapes, layout, shard, group, comm, live,
                      persistent=layout.numel < persistence_threshold,
                      master=torch.nn.Parameter(master) if trainable else None)
     for p in params:

@@ -46,6 +46,7 @@ class ParamUnit:
     module_name: str
     params: list[torch.nn.Parameter]
     names: list[str]
+    shapes: list[torch.Size]
     layout: BucketLayout
     shard: torch.Tensor
     """This rank's slice of the flat parameters, in the compute dtype."""
@@ -65,7 +66,7 @@ class ParamUnit:
 
     def __post_init__(self) -> None:
         self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
-        self._views = [self.full[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(self.layout.slots, self.params)]
+        self._views = [self.full[s.offset : s.offset + s.numel].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
         self._placeholders = [torch.empty(0, dtype=self.shard.dtype, device=self.shard.device) for _ in self.params]
         self.full.untyped_storage().resize_(0)
         for p, empty in zip(self.params, self._placeholders):
