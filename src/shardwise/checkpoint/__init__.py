@@ -1,5 +1,9 @@
-"""Checkpoints: safetensors + a JSON manifest, written atomically, loaded without unpickling."""
+"""Checkpoints: safetensors + a JSON manifest, written atomically by every rank, loadable at any layout."""
 
-from .io import CheckpointError, load_checkpoint, read_manifest, save_16bit_model, save_checkpoint
+from .errors import CheckpointError
+from .load import load_checkpoint
+from .reader import CheckpointReader
+from .save import save_checkpoint
+from .weights import save_16bit_model
 
-__all__ = ["CheckpointError", "load_checkpoint", "read_manifest", "save_16bit_model", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointReader", "load_checkpoint", "save_16bit_model", "save_checkpoint"]

@@ -1,23 +1,29 @@
-"""Pure checkpoint layout: file names, the manifest's shape, and turning nested state into
-(tensors, JSON) pairs so that nothing is pickled. No torch.distributed here.
+"""Pure checkpoint layout: names of files and tensors, and range arithmetic. No torch.distributed.
+
+A checkpoint tag is a directory:
+  manifest.json            versions, config, topology, counters, scheduler/scaler state, optimizer
+                           hyper-parameters, and for every parameter its shape and pieces
+  rank{r}.safetensors      the pieces rank r held (fp32 masters, optimizer state slices, frozen
+                           values), buffers (rank 0), and rank r's RNG state
+Each piece covers elements [start, end) of a flattened parameter; `piece_key(name, kind, start)` is
+its tensor name. Kinds: "master" (fp32 trainable values), "value" (a frozen parameter as stored),
+"state.<key>" (an element-wise optimizer state such as exp_avg).
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
-import torch
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
-MODEL_FILE = "model.safetensors"
+MASTER, VALUE = "master", "value"
 
 
-def state_file(rank: int) -> str:
-    return f"state.rank{rank}.safetensors"
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
 
 
 def partial_dir(save_dir: Path, tag: str) -> Path:
@@ -25,35 +31,30 @@ def partial_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.partial"
 
 
-def split_tensors(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Replace every tensor in a nested dict/list by {"__tensor__": key}; return (json_tree, tensors)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            tensors[path] = node.detach().contiguous().cpu()
-            return {"__tensor__": path}
-        if isinstance(node, dict):
-            return {str(k): walk(v, f"{path}/{k}") for k, v in node.items()} | (
-                {"__int_keys__": True} if node and all(isinstance(k, int) for k in node) else {}
-            )
-        if isinstance(node, (list, tuple)):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-        return node
-
-    return walk(tree, prefix), tensors
+def piece_key(name: str, kind: str, start: int) -> str:
+    return f"{name}|{kind}|{start}"
 
 
-def join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `split_tensors`."""
-    if isinstance(tree, dict):
-        if set(tree) == {"__tensor__"}:
-            return tensors[tree["__tensor__"]]
-        int_keys = tree.get("__int_keys__", False)
-        return {(int(k) if int_keys else k): join_tensors(v, tensors) for k, v in tree.items() if k != "__int_keys__"}
-    if isinstance(tree, list):
-        return [join_tensors(v, tensors) for v in tree]
-    return tree
+def buffer_key(name: str) -> str:
+    return f"buffer|{name}"
+
+
+def overlaps(pieces: list[dict], start: int, end: int) -> Iterator[tuple[dict, int, int]]:
+    """For each piece overlapping [start, end): (piece, lo, hi), the overlap in parameter coordinates."""
+    for piece in pieces:
+        lo, hi = max(start, piece["start"]), min(end, piece["end"])
+        if lo < hi:
+            yield piece, lo, hi
+
+
+def covered(pieces: list[dict], numel: int) -> bool:
+    """Whether the pieces cover [0, numel) with no gap."""
+    at = 0
+    for piece in sorted(pieces, key=lambda p: p["start"]):
+        if piece["start"] > at:
+            return False
+        at = max(at, piece["end"])
+    return at >= numel
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:

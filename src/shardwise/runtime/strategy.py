@@ -23,6 +23,29 @@ MakeOptimizer = Callable[[ParamGroups], torch.optim.Optimizer]
 """Builds (or re-points) the optimizer over the strategy's master parameters."""
 
 
+@dataclass(frozen=True)
+class StateSlot:
+    """A piece of one parameter's training state that this rank holds: elements [start, end) of the
+    flattened parameter. Checkpoints are written and read as slots, by parameter name, so a
+    checkpoint saved under one layout (world size, stage) loads under any other.
+
+    `values` is the fp32 master slice of a trainable parameter, or the stored slice of a frozen one;
+    writing into it (then calling `after_state_load`) loads it. The optimizer state of a trainable
+    slot is `optimizer.state[opt_param][key].view(-1)[opt_offset : opt_offset + end - start]`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    values: torch.Tensor
+    trainable: bool
+    opt_param: torch.Tensor | None = None
+    opt_offset: int = 0
+    replicated: bool = False
+    """Every data-parallel rank holds the same slot: only rank 0 writes it."""
+
+
 class ShardingStrategy(Protocol):
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -49,9 +72,11 @@ class ShardingStrategy(Protocol):
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load full module weights (by name) and refresh the master weights from them."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_slots(self) -> list[StateSlot]:
+        """The parameter state this rank holds, by parameter name (see `StateSlot`)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def after_state_load(self) -> None:
+        """Make the module's parameters current after `state_slots()` values were overwritten."""
 
 
 @dataclass(frozen=True)

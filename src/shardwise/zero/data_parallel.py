@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.strategy import ParamGroups, StrategyInputs
+from ..runtime.strategy import ParamGroups, StateSlot, StrategyInputs
 from .grad_buckets import GradBuckets
 from .reducers import AllReduceMean, GradAveraging
 
@@ -92,13 +92,16 @@ class DataParallel:
             with torch.no_grad():
                 torch._foreach_copy_(self.masters, [p.data for p in self.params])
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+    def state_slots(self) -> list[StateSlot]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        slots = [StateSlot(names[id(p)], tuple(p.shape), 0, p.numel(), m.detach().view(-1), True, m, replicated=True)
+                 for p, m in zip(self.params, self.masters)]
+        trainable = {id(p) for p in self.params}
+        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
+                  for n, p in self.module.named_parameters() if id(p) not in trainable]
+        return slots
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"]):
-                master.copy_(saved)
-            if self.precision.mixed:
+    def after_state_load(self) -> None:
+        if self.precision.mixed:
+            with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], self.masters)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.strategy import StrategyInputs
+from ..runtime.strategy import StateSlot, StrategyInputs
 from .data_parallel import _norm, trainable_parameters
 from .flat_param import BucketLayout, plan_buckets
 from .grad_buckets import Bucket, GradBuckets
@@ -116,15 +116,27 @@ class ShardedDataParallel:
                     lo, hi = bucket.shard
                     master.copy_(flat[lo:hi])
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+    def state_slots(self) -> list[StateSlot]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        slots = []
+        for bucket, master in zip(self.buckets.buckets, self.masters):
+            lo, hi = bucket.shard
+            for slot, p in zip(bucket.layout.slots, bucket.params):
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < end:
+                    slots.append(StateSlot(names[id(p)], tuple(p.shape), start - slot.offset, end - slot.offset,
+                                           master.detach()[start - lo : end - lo], True, master, start - lo))
+        in_buckets = {id(p) for b in self.buckets.buckets for p in b.params}
+        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
+                  for n, p in self.module.named_parameters() if id(p) not in in_buckets]
+        return slots
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def after_state_load(self) -> None:
         with torch.no_grad():
-            for master, saved, flat in zip(self.masters, state["masters"], self.param_flats):
-                master.copy_(saved)
-                self.comm.all_gather(flat, master.detach().to(flat.dtype, copy=True), self.group).wait()
+            pending = [self.comm.all_gather(flat, master.detach().to(flat.dtype, copy=True), self.group)
+                       for master, flat in zip(self.masters, self.param_flats)]
+            for p in pending:
+                p.wait()
 
 
 def _trainable_groups(param_groups: list[dict[str, Any]], trainable: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

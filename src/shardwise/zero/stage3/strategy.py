@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...runtime.strategy import StrategyInputs
+from ...runtime.strategy import StateSlot, StrategyInputs
 from ..data_parallel import _norm
 from ..grad_buckets import Bucket, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
@@ -159,14 +159,22 @@ class Stage3:
         self._gather_persistent()
 
     # --- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach() for m in self.masters]}
+    def state_slots(self) -> list[StateSlot]:
+        slots = []
+        for unit in self.units:
+            lo, hi = unit.layout.shard_range(self.group.rank, self.group.size)
+            source = unit.master.detach() if unit.master is not None else unit.shard
+            for slot, name, shape in zip(unit.layout.slots, unit.names, unit.shapes):
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < end:
+                    slots.append(StateSlot(name, tuple(shape), start - slot.offset, end - slot.offset,
+                                           source[start - lo : end - lo], unit.master is not None, unit.master,
+                                           start - lo))
+        return slots
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def after_state_load(self) -> None:
         with torch.no_grad():
-            for unit, saved in zip(self.trainable, state["masters"]):
-                unit.master.copy_(saved)
+            for unit in self.trainable:
                 if unit.shard is not unit.master.data:
                     unit.shard.copy_(unit.master)
         for unit in self.units:

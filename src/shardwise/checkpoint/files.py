@@ -1,0 +1,58 @@
+"""Durable file writes and the per-rank RNG state, shared by saving and loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename: readers see the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], str]:
+    """(tensors, JSON) of this process's RNG states: python, numpy, torch, and the device's."""
+    tensors = {"rng|torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng|cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return tensors, json.dumps({"python": [version, list(internal), gauss],
+                                "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]})
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], text: str) -> None:
+    state: dict[str, Any] = json.loads(text)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["rng|torch"])
+    if "rng|cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng|cuda"])

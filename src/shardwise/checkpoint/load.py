@@ -1,0 +1,99 @@
+"""Load a checkpoint into an engine of any layout: by parameter name, slice by slice.
+
+Each rank reads only the element ranges it holds now (`strategy.state_slots()`), from whichever
+files the saving ranks wrote them to, so a checkpoint saved at world size N and ZeRO stage S loads at
+world size M and stage S'.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import files, layout
+from .errors import CheckpointError
+from .reader import CheckpointReader
+
+logger = logging.getLogger(__name__)
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool,
+                    load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
+    reader = CheckpointReader(load_dir, tag)
+    meta = reader.meta
+    slots = engine.strategy.state_slots()
+    _check_names(reader, {s.name for s in slots}, {n for n, _ in engine.module.named_parameters()}, load_module_strict)
+    with torch.no_grad():
+        for slot in slots:
+            if reader.has(slot.name):
+                kind = layout.MASTER if layout.MASTER in reader.kinds(slot.name) else layout.VALUE
+                reader.read_into(slot.name, kind, slot.start, slot.end, slot.values)
+        for name, buf in engine.module.named_buffers():
+            if name in meta["buffers"]:
+                buf.copy_(reader.buffer(name))
+        if load_optimizer_states:
+            _load_optimizer(engine.optimizer, slots, reader)
+    engine.strategy.after_state_load()
+    if load_optimizer_states:
+        engine.precision.loss_scaler.load_state_dict(meta["loss_scaler"])
+        for key, value in meta["counters"].items():
+            setattr(engine, key, value)
+        _restore_rng(reader, meta)
+        loader = engine.training_dataloader
+        if meta.get("data_loader") and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(meta["data_loader"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    dist.barrier()
+    return str(reader.path), meta["client_state"]
+
+
+def _check_names(reader: CheckpointReader, held: set[str], model: set[str], strict: bool) -> None:
+    saved = set(reader.meta["params"])
+    missing, unexpected = sorted(model - saved), sorted(saved - model)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{reader.path}: parameters do not match the model (load_module_strict=True). Missing from the "
+            f"checkpoint: {missing[:20]}; in the checkpoint but not the model: {unexpected[:20]}. Pass "
+            "load_module_strict=False to load the matching ones.")
+    if missing:
+        logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[Any], reader: CheckpointReader) -> None:
+    saved = reader.meta["optimizer"]
+    if saved["type"] != type(optimizer).__name__:
+        raise CheckpointError(f"{reader.path}: optimizer state is for {saved['type']}, the engine has "
+                              f"{type(optimizer).__name__}; pass load_optimizer_states=False to load weights only.")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"{reader.path}: {len(saved['param_groups'])} optimizer parameter groups saved, "
+                              f"{len(optimizer.param_groups)} now; build the same groups as the saving run.")
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in hyper.items()})
+    for slot in slots:
+        if not slot.trainable or not reader.has(slot.name):
+            continue
+        state = optimizer.state[slot.opt_param]
+        for kind in sorted(reader.kinds(slot.name)):
+            if not kind.startswith("state."):
+                continue
+            key = kind.removeprefix("state.")
+            if key not in state:
+                state[key] = torch.zeros_like(slot.opt_param, memory_format=torch.contiguous_format)
+            flat = state[key].view(-1)[slot.opt_offset : slot.opt_offset + slot.end - slot.start]
+            reader.read_into(slot.name, kind, slot.start, slot.end, flat)
+        for key, value in saved["scalars"].items():
+            state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
+
+
+def _restore_rng(reader: CheckpointReader, meta: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    saved = reader.rng(rank)
+    if saved is None:
+        logger.warning("load_checkpoint: no RNG state for rank %d (saved at world size %d); RNG not restored.",
+                       rank, meta["world_size"])
+        return
+    files.set_rng_state(*saved)

@@ -1,0 +1,95 @@
+"""Read a checkpoint tag by parameter name and element range, whatever layout wrote it.
+
+Files are opened lazily and verified (size and SHA-256 against the manifest) the first time they
+are touched; only the requested slices are read (safetensors slicing), so loading streams.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from . import layout
+from .errors import CheckpointError
+
+
+def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
+    root = Path(load_dir)
+    if (root / layout.MANIFEST).is_file() and tag is None:
+        return root  # pointed straight at a tag directory
+    if tag is None:
+        latest = root / layout.LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"{latest}: no 'latest' file; pass tag= or point at a checkpoint tag directory.")
+        tag = latest.read_text().strip()
+    return root / str(tag)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    manifest = path / layout.MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{manifest}: missing; {path} is not a complete shardwise checkpoint.")
+    try:
+        meta = json.loads(manifest.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest}: not valid JSON ({e}); the manifest is corrupt.") from None
+    if meta.get("format_version") != layout.FORMAT_VERSION:
+        raise CheckpointError(f"{manifest}: format_version {meta.get('format_version')!r}, this shardwise reads "
+                              f"{layout.FORMAT_VERSION}; it was written by an incompatible shardwise version.")
+    return meta
+
+
+class CheckpointReader:
+    def __init__(self, load_dir: str | Path, tag: str | None = None, verify: bool = True):
+        self.path = resolve_tag(load_dir, tag)
+        self.meta = read_manifest(self.path)
+        self.verify = verify
+        self._open: dict[str, Any] = {}
+
+    def file(self, name: str) -> Any:
+        if name not in self._open:
+            path = self.path / name
+            expected = self.meta["files"].get(name)
+            if expected is None or not path.is_file():
+                raise CheckpointError(f"{path}: missing from the checkpoint.")
+            if self.verify and (path.stat().st_size != expected["bytes"] or layout.sha256_of(path) != expected["sha256"]):
+                raise CheckpointError(f"{path}: size or checksum differs from the manifest; the file is corrupt or truncated.")
+            self._open[name] = safe_open(str(path), "pt")
+        return self._open[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.meta["params"]
+
+    def kinds(self, name: str) -> set[str]:
+        return {k for p in self.meta["params"][name]["pieces"] for k in p["kinds"]}
+
+    def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Copy elements [start, end) of parameter `name`'s `kind` into `out` (casting to its dtype)."""
+        pieces = [p for p in self.meta["params"][name]["pieces"] if kind in p["kinds"]]
+        filled = 0
+        for piece, lo, hi in layout.overlaps(pieces, start, end):
+            data = self.file(piece["file"]).get_slice(layout.piece_key(name, kind, piece["start"]))
+            out[lo - start : hi - start].copy_(data[lo - piece["start"] : hi - piece["start"]])
+            filled += hi - lo
+        if filled < end - start:
+            raise CheckpointError(f"{self.path}: {name!r} has no {kind!r} for elements [{start}, {end}).")
+
+    def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        shape = self.meta["params"][name]["shape"]
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, kind, 0, out.numel(), out.view(-1))
+        return out
+
+    def buffer(self, name: str) -> torch.Tensor:
+        return self.file(layout.rank_file(0)).get_tensor(layout.buffer_key(name))
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], str] | None:
+        name = layout.rank_file(rank)
+        if name not in self.meta["files"]:
+            return None
+        f = self.file(name)
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng|")}, f.metadata()["rng"]

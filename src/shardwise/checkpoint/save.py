@@ -1,0 +1,142 @@
+"""Save an engine's checkpoint: every rank writes the pieces it holds, in parallel, atomically.
+
+[Note: atomic checkpoints] Every rank writes its file into `.<tag>.partial/`, fsyncs it and
+checksums it; rank 0 gathers every file's size and SHA-256 with the piece index into the manifest,
+renames the directory to `<tag>`, and only then replaces `latest` (itself by rename). A job killed at
+any instant leaves the previous tag intact and `latest` naming a complete checkpoint; a leftover
+`.partial` directory is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from ..version import __version__
+from . import files, layout
+from .errors import CheckpointError
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    meta = engine_meta(engine, tag, client_state)  # raises the same error on every rank, before any collective
+    root, rank = Path(save_dir), dist.get_rank()
+    partial = layout.partial_dir(root, tag)
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0, include_buffers=rank == 0)
+    rng_tensors, rng_json = files.rng_state()
+    path = partial / layout.rank_file(rank)
+    save_file({**tensors, **rng_tensors}, str(path), metadata={"rng": rng_json})
+    files.fsync_file(path)
+    entry = (path.name, path.stat().st_size, layout.sha256_of(path), records)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entry)
+    if rank == 0:
+        _publish(root, partial, tag, meta, gathered, engine, save_latest)
+    dist.barrier()
+    return str(root / tag)
+
+
+def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
+    try:
+        json.dumps(client_state)
+    except TypeError as e:
+        raise CheckpointError(f"client_state: must be JSON-serialisable (checkpoints never pickle); {e}.") from None
+    loader = engine.training_dataloader
+    return {
+        "format_version": layout.FORMAT_VERSION,
+        "shardwise_version": __version__,
+        "tag": tag,
+        "world_size": dist.get_world_size(),
+        "topology": dict(engine.topology.sizes),
+        "stage": engine.config.zero_optimization.stage,
+        "config": engine.config.model_dump(mode="json"),
+        "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+        "loss_scaler": engine.precision.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "data_loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+        "client_state": client_state,
+    }
+
+
+def _elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = optimizer.state.get(param, {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
+
+
+def _pack(engine: Any, include_replicated: bool, include_buffers: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """This rank's pieces as tensors, and their index records."""
+    optimizer = engine.optimizer
+    tensors: dict[str, torch.Tensor] = {}
+    records = []
+    for slot in engine.strategy.state_slots():
+        if slot.replicated and not include_replicated:
+            continue
+        kinds = {layout.MASTER if slot.trainable else layout.VALUE: slot.values}
+        if slot.trainable:
+            n = slot.end - slot.start
+            for key, value in _elementwise_state(optimizer, slot.opt_param).items():
+                kinds[f"state.{key}"] = value.view(-1)[slot.opt_offset : slot.opt_offset + n]
+        for kind, value in kinds.items():
+            tensors[layout.piece_key(slot.name, kind, slot.start)] = value.detach().contiguous().cpu()
+        records.append({"name": slot.name, "shape": list(slot.shape), "start": slot.start, "end": slot.end,
+                        "trainable": slot.trainable, "dtype": str(slot.values.dtype).removeprefix("torch."),
+                        "kinds": sorted(kinds)})
+    if include_buffers:
+        for name, buf in engine.module.named_buffers():
+            tensors[layout.buffer_key(name)] = buf.detach().contiguous().cpu()
+    return tensors, records
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    scalars: dict[str, float] = {}
+    for state in optimizer.state.values():
+        scalars = {k: float(v) for k, v in state.items() if not isinstance(v, torch.Tensor) or v.numel() == 1}
+        break
+    return {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+
+
+def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered: list[Any], engine: Any,
+             save_latest: bool) -> None:
+    params: dict[str, dict[str, Any]] = {}
+    meta["files"] = {}
+    for name, size, sha, records in gathered:
+        meta["files"][name] = {"bytes": size, "sha256": sha}
+        for r in records:
+            entry = params.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "trainable": r["trainable"],
+                                                  "pieces": []})
+            entry["pieces"].append({"file": name, "start": r["start"], "end": r["end"], "kinds": r["kinds"]})
+    for name, entry in params.items():
+        numel = 1
+        for d in entry["shape"]:
+            numel *= d
+        if not layout.covered(entry["pieces"], numel):
+            raise CheckpointError(f"{partial}: the pieces of {name!r} do not cover the whole parameter; not published.")
+    meta["params"] = params
+    meta["buffers"] = [n for n, _ in engine.module.named_buffers()]
+    meta["optimizer"] = _optimizer_meta(engine.optimizer)
+    files.write_durably(partial / layout.MANIFEST, json.dumps(meta, indent=1).encode())
+    files.fsync_dir(partial)
+    final = root / tag
+    if final.exists():  # re-saving a tag: the old one goes only once the new one is complete
+        replaced = root / f".{tag}.replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+        partial.rename(final)
+        shutil.rmtree(replaced)
+    else:
+        partial.rename(final)
+    files.fsync_dir(root)
+    if save_latest:
+        files.write_durably(root / layout.LATEST, tag.encode())
