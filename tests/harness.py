@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
@@ -42,6 +43,18 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp
             dist.destroy_process_group()
 
 
+def _check_alive(procs: list, outcomes: dict, results: mp.Queue) -> None:
+    """A rank that died without reporting (a signal, os._exit) fails the run at once."""
+    for rank, p in enumerate(procs):
+        if rank not in outcomes and p.exitcode is not None:
+            try:  # it may have reported just before exiting
+                r, status, value = results.get(timeout=0.5)
+                outcomes[r] = (status, value)
+                return
+            except queue.Empty:
+                raise RankFailure(f"rank {rank} died (exit code {p.exitcode}) without reporting") from None
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results in rank order."""
     ctx = mp.get_context("fork")
@@ -52,13 +65,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(outcomes) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=0.2)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise RankFailure(f"timed out after {timeout:.0f}s; ranks {missing} did not finish") from None
+                _check_alive(procs, outcomes, results)
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise RankFailure(f"timed out after {timeout:.0f}s; ranks {missing} did not finish") from None
+                continue
             outcomes[rank] = (status, value)
             if status == "error":
                 break  # the others are likely blocked in a collective with the failed rank

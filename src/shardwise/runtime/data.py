@@ -29,6 +29,9 @@ class DistributedLoader:
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn,
                                  drop_last=drop_last, num_workers=num_workers)
         self.epoch = 0
+        self.batches_seen = 0
+        """Batches handed out in the current epoch: the position a checkpoint resumes from."""
+        self._skip = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -38,7 +41,26 @@ class DistributedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.loader)
+        skip, self._skip = self._skip, 0
+        self.batches_seen = skip
+        iterator = iter(self.loader)
+        if skip:
+            # Resume mid-epoch without loading the skipped samples: restart the batch sampler past them.
+            sampler_iter = iter(self.loader.batch_sampler)
+            for _ in range(skip):
+                next(sampler_iter, None)
+            iterator = (self.loader.collate_fn([self.loader.dataset[i] for i in batch]) for batch in sampler_iter)
+        for batch in iterator:
+            self.batches_seen += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_seen": self.batches_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next iteration continues epoch `epoch` after its first `batches_seen` batches."""
+        self.set_epoch(state["epoch"])
+        self._skip = state["batches_seen"]
 
 
 class RepeatingLoader:
