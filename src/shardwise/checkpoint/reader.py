@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from . import layout
 from .errors import CheckpointError
+from .safetensors_file import SafetensorsFile
 
 
 def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
@@ -58,7 +58,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{path}: missing from the checkpoint.")
             if self.verify and (path.stat().st_size != expected["bytes"] or layout.sha256_of(path) != expected["sha256"]):
                 raise CheckpointError(f"{path}: size or checksum differs from the manifest; the file is corrupt or truncated.")
-            self._open[name] = safe_open(str(path), "pt")
+            self._open[name] = SafetensorsFile(path)
         return self._open[name]
 
     def has(self, name: str) -> bool:
@@ -72,8 +72,9 @@ class CheckpointReader:
         pieces = [p for p in self.meta["params"][name]["pieces"] if kind in p["kinds"]]
         filled = 0
         for piece, lo, hi in layout.overlaps(pieces, start, end):
-            data = self.file(piece["file"]).get_slice(layout.piece_key(name, kind, piece["start"]))
-            out[lo - start : hi - start].copy_(data[lo - piece["start"] : hi - piece["start"]])
+            key = layout.piece_key(name, kind, piece["start"])
+            data = self.file(piece["file"]).read_range(key, lo - piece["start"], hi - piece["start"])
+            out[lo - start : hi - start].copy_(data)
             filled += hi - lo
         if filled < end - start:
             raise CheckpointError(f"{self.path}: {name!r} has no {kind!r} for elements [{start}, {end}).")

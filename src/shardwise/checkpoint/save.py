@@ -125,6 +125,7 @@ def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered
             raise CheckpointError(f"{partial}: the pieces of {name!r} do not cover the whole parameter; not published.")
     meta["params"] = params
     meta["buffers"] = [n for n, _ in engine.module.named_buffers()]
+    meta["persistent_buffers"] = persistent_buffers(engine.module)
     meta["optimizer"] = _optimizer_meta(engine.optimizer)
     files.write_durably(partial / layout.MANIFEST, json.dumps(meta, indent=1).encode())
     files.fsync_dir(partial)
@@ -140,3 +141,13 @@ def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered
     files.fsync_dir(root)
     if save_latest:
         files.write_durably(root / layout.LATEST, tag.encode())
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[str]:
+    """Buffers that belong in a state dict (not those registered with persistent=False)."""
+    names = []
+    for prefix, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names

@@ -1,0 +1,67 @@
+"""`shardwise checkpoint inspect CKPT` and `shardwise checkpoint to-fp32 CKPT OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .consolidate import consolidate
+from .errors import CheckpointError
+from .reader import CheckpointReader
+
+
+def _size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    for suffix, factor in units.items():
+        if text.upper().endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def inspect(args: argparse.Namespace) -> None:
+    reader = CheckpointReader(args.checkpoint, args.tag, verify=False)
+    meta = reader.meta
+    print(f"{reader.path}: shardwise {meta['shardwise_version']}, format {meta['format_version']}, "
+          f"world size {meta['world_size']}, ZeRO stage {meta['stage']}, step {meta['counters']['global_steps']}")
+    sizes = ", ".join(f"{n} ({f['bytes'] / 2**20:.1f} MiB)" for n, f in meta["files"].items())
+    print(f"optimizer {meta['optimizer']['type']}, {len(meta['optimizer']['param_groups'])} group(s); files: {sizes}")
+    width = max((len(n) for n in meta["params"]), default=4)
+    print(f"{'parameter':<{width}}  {'shape':<18} {'dtype':<9} {'trainable':<9} pieces")
+    for name, entry in meta["params"].items():
+        pieces = ", ".join(f"{p['file'].removesuffix('.safetensors')}[{p['start']}:{p['end']}]" for p in entry["pieces"])
+        print(f"{name:<{width}}  {str(tuple(entry['shape'])):<18} {entry['dtype']:<9} {str(entry['trainable']):<9} {pieces}")
+
+
+def to_fp32(args: argparse.Namespace) -> None:
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    paths = consolidate(args.checkpoint, args.out, args.tag, _size(args.max_shard_size), dtype)
+    print(f"wrote {len(paths)} file(s) to {args.out}: {', '.join(p.name for p in paths)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise checkpoint", description="Inspect or consolidate a checkpoint.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print the manifest as a table")
+    p.add_argument("checkpoint")
+    p.add_argument("--tag")
+    p.set_defaults(run=inspect)
+    p = sub.add_parser("to-fp32", help="write full weights as safetensors (Hugging Face layout)")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--tag")
+    p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
+    p.set_defaults(run=to_fp32)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except CheckpointError as e:
+        print(f"shardwise checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

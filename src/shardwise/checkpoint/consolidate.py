@@ -1,0 +1,80 @@
+"""Consolidate a checkpoint into full weights, streaming: peak memory is about one tensor.
+
+Writes the layout Hugging Face's `from_pretrained` reads: `model.safetensors`, or
+`model-0000k-of-0000n.safetensors` files plus `model.safetensors.index.json` when the weights exceed
+`max_shard_bytes`. Trainable parameters come from their fp32 masters, frozen ones from their stored
+values. Shards are planned from the manifest (names, shapes) before any data is read, so each
+output file is written tensor by tensor (`SafetensorsWriter`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from . import layout
+from .reader import CheckpointReader
+from .safetensors_file import SafetensorsWriter
+
+INDEX = "model.safetensors.index.json"
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def _specs(reader: CheckpointReader, dtype: torch.dtype) -> list[Spec]:
+    specs = [(name, dtype, tuple(entry["shape"])) for name, entry in reader.meta["params"].items()]
+    rank0 = reader.file(layout.rank_file(0))
+    for name in reader.meta.get("persistent_buffers", []):
+        buf = rank0.get_tensor(layout.buffer_key(name))
+        specs.append((name, buf.dtype, tuple(buf.shape)))
+    return specs
+
+
+def _plan(specs: list[Spec], max_shard_bytes: int) -> list[list[Spec]]:
+    shards: list[list[Spec]] = [[]]
+    size = 0
+    for spec in specs:
+        numel = 1
+        for d in spec[2]:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=spec[1]).element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if name in reader.meta["params"]:
+        kind = layout.MASTER if layout.MASTER in reader.kinds(name) else layout.VALUE
+        return reader.read_full(name, kind, torch.float32).to(dtype)
+    return reader.buffer(name)
+
+
+def consolidate(checkpoint: str | Path, out_dir: str | Path, tag: str | None = None,
+                max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Write the full weights of `checkpoint` to `out_dir`; returns the files written."""
+    reader = CheckpointReader(checkpoint, tag)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _plan(_specs(reader, dtype), max_shard_bytes)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for specs, name in zip(shards, names):
+        tmp = out / f".{name}.partial"
+        writer = SafetensorsWriter(tmp, specs, metadata={"format": "pt"})
+        for tensor_name, tensor_dtype, _ in specs:
+            writer.write(tensor_name, _tensor(reader, tensor_name, tensor_dtype))
+        writer.close()
+        os.replace(tmp, out / name)
+    if len(shards) > 1:
+        total = sum((out / n).stat().st_size for n in names)
+        weight_map = {spec[0]: name for specs, name in zip(shards, names) for spec in specs}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return [out / n for n in names]
