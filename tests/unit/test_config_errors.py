@@ -92,7 +92,7 @@ def test_disabled_deepspeed_sections_are_dropped_quietly(caplog):
 
 
 def test_cosmetic_deepspeed_key_warns_once(caplog):
-    parse_config({**BASE, "flops_profiler": {"enabled": True}}, dp_size=1)
-    parse_config({**BASE, "flops_profiler": {"enabled": True}}, dp_size=1)
+    parse_config({**BASE, "comet": {"enabled": True}}, dp_size=1)
+    parse_config({**BASE, "comet": {"enabled": True}}, dp_size=1)
     assert [r.getMessage() for r in caplog.records].count(
-        "flops_profiler: a DeepSpeed setting that shardwise does not act on yet; ignored.") <= 1
+        "comet: a DeepSpeed setting that shardwise does not act on yet; ignored.") == 1

@@ -10,7 +10,9 @@ any instant leaves the previous tag intact and `latest` naming a complete checkp
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +24,95 @@ from ..version import __version__
 from . import files, layout
 from .errors import CheckpointError
 
+logger = logging.getLogger(__name__)
+
+
+class CheckpointWriter:
+    """Writes checkpoints, synchronously or (async_save) from one background thread at a time.
+
+    The background thread coordinates on a process group of its own, so its collectives never
+    interleave with the training loop's on the main group.
+    """
+
+    def __init__(self, async_save: bool, tag_validation: str):
+        self.async_save = async_save
+        self.tag_validation = tag_validation.lower()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+
+    def save(self, engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
+        self.wait()
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        meta = engine_meta(engine, tag, client_state)  # the same error on every rank, before any collective
+        self._validate_tag(tag)
+        root = Path(save_dir)
+        partial = layout.partial_dir(root, tag)
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
+                                 include_buffers=dist.get_rank() == 0, copy=self.async_save)
+        meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
+                                "persistent_buffers": persistent_buffers(engine.module),
+                                "optimizer": _optimizer_meta(engine.optimizer)}
+        rng_tensors, meta["rng_json"] = files.rng_state()  # captured now, not when a background write runs
+        tensors.update(rng_tensors)
+        job = (root, partial, tag, meta, tensors, records, save_latest)
+        if not self.async_save:
+            _write_and_publish(*job, group=None)
+            return str(root / tag)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        self._thread = threading.Thread(target=self._run, args=job, name="shardwise-checkpoint", daemon=False)
+        self._thread.start()
+        return str(root / tag)
+
+    def _run(self, *job: Any) -> None:
+        try:
+            _write_and_publish(*job, group=self._group)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the main thread
+            self._error = e
+
+    def _validate_tag(self, tag: str) -> None:
+        if self.tag_validation == "ignore":
+            return
+        tags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(tags, tag)
+        if len(set(tags)) > 1:
+            message = f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank."
+            if self.tag_validation == "fail":
+                raise CheckpointError(message)
+            logger.warning(message)
+
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    meta = engine_meta(engine, tag, client_state)  # raises the same error on every rank, before any collective
-    root, rank = Path(save_dir), dist.get_rank()
-    partial = layout.partial_dir(root, tag)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0, include_buffers=rank == 0)
-    rng_tensors, rng_json = files.rng_state()
+    writer = engine.checkpoint_writer
+    return writer.save(engine, save_dir, tag, client_state, save_latest)
+
+
+def _write_and_publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       records: list[dict], save_latest: bool, group: dist.ProcessGroup | None) -> None:
+    rank = dist.get_rank()
     path = partial / layout.rank_file(rank)
-    save_file({**tensors, **rng_tensors}, str(path), metadata={"rng": rng_json})
+    save_file(tensors, str(path), metadata={"rng": meta.pop("rng_json")})
     files.fsync_file(path)
     entry = (path.name, path.stat().st_size, layout.sha256_of(path), records)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, entry)
+    dist.all_gather_object(gathered, entry, group=group)
     if rank == 0:
-        _publish(root, partial, tag, meta, gathered, engine, save_latest)
-    dist.barrier()
-    return str(root / tag)
+        _publish(root, partial, tag, meta, gathered, save_latest)
+    dist.barrier(group=group)
 
 
 def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
@@ -73,8 +142,10 @@ def _elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
 
 
-def _pack(engine: Any, include_replicated: bool, include_buffers: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """This rank's pieces as tensors, and their index records."""
+def _pack(engine: Any, include_replicated: bool, include_buffers: bool,
+          copy: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """This rank's pieces as tensors, and their index records. With `copy` the tensors are
+    snapshots in host memory, so training may change the originals while they are written."""
     optimizer = engine.optimizer
     tensors: dict[str, torch.Tensor] = {}
     records = []
@@ -87,14 +158,19 @@ def _pack(engine: Any, include_replicated: bool, include_buffers: bool) -> tuple
             for key, value in _elementwise_state(optimizer, slot.opt_param).items():
                 kinds[f"state.{key}"] = value.view(-1)[slot.opt_offset : slot.opt_offset + n]
         for kind, value in kinds.items():
-            tensors[layout.piece_key(slot.name, kind, slot.start)] = value.detach().contiguous().cpu()
+            tensors[layout.piece_key(slot.name, kind, slot.start)] = _host(value, copy)
         records.append({"name": slot.name, "shape": list(slot.shape), "start": slot.start, "end": slot.end,
                         "trainable": slot.trainable, "dtype": str(slot.values.dtype).removeprefix("torch."),
                         "kinds": sorted(kinds)})
     if include_buffers:
         for name, buf in engine.module.named_buffers():
-            tensors[layout.buffer_key(name)] = buf.detach().contiguous().cpu()
+            tensors[layout.buffer_key(name)] = _host(buf, copy)
     return tensors, records
+
+
+def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    host = tensor.detach().contiguous().cpu()
+    return host.clone() if copy and host.data_ptr() == tensor.data_ptr() else host
 
 
 def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -107,8 +183,7 @@ def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
 
-def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered: list[Any], engine: Any,
-             save_latest: bool) -> None:
+def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered: list[Any], save_latest: bool) -> None:
     params: dict[str, dict[str, Any]] = {}
     meta["files"] = {}
     for name, size, sha, records in gathered:
@@ -124,9 +199,7 @@ def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered
         if not layout.covered(entry["pieces"], numel):
             raise CheckpointError(f"{partial}: the pieces of {name!r} do not cover the whole parameter; not published.")
     meta["params"] = params
-    meta["buffers"] = [n for n, _ in engine.module.named_buffers()]
-    meta["persistent_buffers"] = persistent_buffers(engine.module)
-    meta["optimizer"] = _optimizer_meta(engine.optimizer)
+    meta.update(meta.pop("params_extra"))
     files.write_durably(partial / layout.MANIFEST, json.dumps(meta, indent=1).encode())
     files.fsync_dir(partial)
     final = root / tag

@@ -19,7 +19,6 @@ ROOT_KEYS: dict[str, str] = {
     "zero_allow_untested_optimizer": COSMETIC,
     "zero_force_ds_cpu_optimizer": COSMETIC,
     "aio": COSMETIC,
-    "checkpoint": COSMETIC,
     "amp": CHANGES_TRAINING,
     "sparse_gradients": CHANGES_TRAINING,
     "activation_checkpointing": CHANGES_TRAINING,

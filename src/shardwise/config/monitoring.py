@@ -47,7 +47,8 @@ class FlopsProfilerConfig(_Section):
     detailed: bool = True
     output_file: str | None = None
     recompute_fwd_factor: float = Field(
-        0.0, ge=0.0, description="accepted for DeepSpeed configs; unused: backward FLOPs (recomputation included) are counted"
+        0.0, ge=0.0,
+        description="accepted for DeepSpeed configs; unused: backward FLOPs (recomputation included) are counted",
     )
 
 

@@ -70,6 +70,18 @@ class ZeroConfig(Section):
     sub_group_size: int = Field(1_000_000_000, ge=1)
 
 
+class CheckpointConfig(Section):
+    """`checkpoint`: how saves behave."""
+
+    async_save: bool = False
+    """Copy the state to host memory and write it from a background thread while training goes on;
+    the next save (or load, or the end of the process) waits for it."""
+    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail"] = "Warn"
+    """What to do when ranks save under different tags."""
+    use_node_local_storage: bool = False
+    """Accepted for DeepSpeed configs: every rank already writes only its own file."""
+
+
 class DataTypesConfig(Section):
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
@@ -102,6 +114,7 @@ class Config(Section):
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
     memory_breakdown: bool = False
     data_types: DataTypesConfig = DataTypesConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

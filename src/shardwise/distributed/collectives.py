@@ -1,8 +1,9 @@
 """The one choke point every collective of the library passes through.
 
 It counts calls and bytes per (op, group) — tests assert on these counts and the comms logger reads
-them, with each message size's latency from issue to completed wait — and bounds every wait: a collective that does not finish within the timeout becomes a
-`CollectiveTimeout` naming the rank, the op, the group and the tensor shape, never a silent hang.
+them, with each message size's latency from issue to completed wait — and bounds every wait: a
+collective that does not finish within the timeout becomes a `CollectiveTimeout` naming the rank, the
+op, the group and the tensor shape, never a silent hang.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .topology import Group
+
+
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.5) only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveError(RuntimeError):
@@ -99,10 +105,10 @@ class Pending:
         self._completed = completed
 
     def wait(self) -> None:
-        completed, self._completed = self._completed, None
+        on_done, self._completed = self._completed, None
         if self._work is None:
-            if completed is not None:
-                completed()
+            if on_done is not None:
+                on_done()
             return
         work, self._work = self._work, None
         try:
@@ -112,8 +118,8 @@ class Pending:
             raise kind(f"{self._describe}: {e}") from e
         if completed is False:
             raise CollectiveTimeout(f"{self._describe}: did not complete within {self._timeout}")
-        if completed is not None:
-            completed()
+        if on_done is not None:
+            on_done()
 
 
 class Collectives:
@@ -124,18 +130,18 @@ class Collectives:
         self.stats = stats if stats is not None else CommStats()
 
     def _issue(self, op: str, group: Group, tensor: torch.Tensor, launch) -> Pending:
-        self.stats.record(op, group.name, tensor)
+        completed = self.stats.record(op, group.name, tensor, group.size)
         describe = (
             f"[rank {dist.get_rank()}/{dist.get_world_size()}, {group.name} group] {op} of "
             f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
         )
         if group.size == 1:
-            return Pending(None, describe, self.timeout)
+            return Pending(None, describe, self.timeout, completed)
         try:
             work = launch()
         except RuntimeError as e:
             raise CollectiveError(f"{describe}: {e}") from e
-        return Pending(work, describe, self.timeout)
+        return Pending(work, describe, self.timeout, completed)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
         return self._issue("all_reduce", group, tensor,
@@ -146,14 +152,14 @@ class Collectives:
         if group.size == 1:
             output.copy_(input_flat)
         return self._issue("reduce_scatter", group, input_flat,
-                           lambda: dist.reduce_scatter_tensor(output, input_flat, group=group.pg, async_op=True))
+                           lambda: _reduce_scatter(output, input_flat, group=group.pg, async_op=True))
 
     def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor, group: Group) -> Pending:
         """Concatenate every rank's `shard` into `output_flat`."""
         if group.size == 1:
             output_flat.copy_(shard)
         return self._issue("all_gather", group, output_flat,
-                           lambda: dist.all_gather_into_tensor(output_flat, shard, group=group.pg, async_op=True))
+                           lambda: _all_gather(output_flat, shard, group=group.pg, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int, group: Group) -> Pending:
         src = dist.get_global_rank(group.pg, src_rank_in_group)

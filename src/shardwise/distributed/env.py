@@ -1,14 +1,35 @@
-"""Where rank, world size and master address come from: a launcher (shardwise, torchrun) or nothing.
+"""Where rank, world size and master address come from (stdlib only).
 
-A script run as plain `python train.py` is world size 1 on a free local port, so the same script runs
-unchanged under every launcher.
+Sources, first match wins:
+
+1. ``RANK``/``WORLD_SIZE`` (+ ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): shardwise's launcher,
+   ``torchrun``, and Kubeflow PyTorchJob pods (the operator sets ``RANK`` = pod index and ``WORLD_SIZE`` =
+   pods × ``nprocPerNode``; with ``nprocPerNode`` > 1 the pod must run ``shardwise``/``torchrun``, which read
+   the ``PET_*`` variables — see :func:`_check_pytorchjob`);
+2. Open MPI (``OMPI_COMM_WORLD_*``), MPICH/Intel MPI Hydra (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``),
+   PMIx (``PMIX_RANK``): master from ``MASTER_ADDR``, or this host when every rank is local;
+3. SLURM ``srun`` tasks (``SLURM_PROCID``/``SLURM_NTASKS`` with a ``SLURM_STEP_ID``; not the batch script
+   itself): master from ``MASTER_ADDR`` or the first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``;
+4. nothing: a plain ``python train.py`` is world size 1 on a free local port, so the same script runs
+   unchanged under every launcher.
+
+Inconsistent variables are an error that names them, never a hang.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+
+class EnvError(ValueError):
+    """The launcher's variables are missing or disagree; the message names them and says how to start."""
+
+
+HOW_TO_START = "Start the script with `shardwise`, `torchrun`, `mpirun`, `srun` or plain `python`."
 
 
 @dataclass(frozen=True)
@@ -19,6 +40,7 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    source: str = "env"  # which launcher's variables these came from (for messages)
 
     def export(self) -> None:
         """Write the variables torch.distributed's env:// rendezvous reads."""
@@ -38,31 +60,124 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
     if value is None or value == "":
+        if default is None:
+            raise EnvError(f"environment variable {name} is not set. {HOW_TO_START}")
         return default
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}: must be an integer; got {value!r}.") from None
+        raise EnvError(f"environment variable {name}: must be an integer; got {value!r}.") from None
 
 
-def discover(default_port: int = 29500) -> DistEnv:
-    """Read the launcher's variables; without them, a single process on a free port."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port())
-    env = DistEnv(
-        rank=_int("RANK", 0),
-        world_size=_int("WORLD_SIZE", 1),
-        local_rank=_int("LOCAL_RANK", 0),
-        local_world_size=_int("LOCAL_WORLD_SIZE", 1),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_int("MASTER_PORT", default_port),
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    return next((_int(env, n) for n in names if env.get(n)), default)
+
+
+def _from_torch(env: Mapping[str, str], default_port: int) -> DistEnv:
+    _check_pytorchjob(env)
+    source = "kubeflow" if "PET_NNODES" in env and "TORCHELASTIC_RUN_ID" not in env else "torch"
+    return DistEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0),
+                   _int(env, "LOCAL_WORLD_SIZE", 1), env.get("MASTER_ADDR", "127.0.0.1"),
+                   _int(env, "MASTER_PORT", default_port), source)
+
+
+def _check_pytorchjob(env: Mapping[str, str]) -> None:
+    """A PyTorchJob pod with nprocPerNode > 1 has RANK = pod index, WORLD_SIZE = all processes: not one rank's."""
+    nproc = env.get("PET_NPROC_PER_NODE", "")
+    if nproc.isdigit() and int(nproc) > 1 and "LOCAL_RANK" not in env and "TORCHELASTIC_RUN_ID" not in env:
+        raise EnvError(
+            f"this looks like a Kubeflow PyTorchJob pod with nprocPerNode={nproc} (PET_NPROC_PER_NODE) started "
+            f"as plain `python`: RANK={env.get('RANK')} is the pod's index, not a process rank. Start the pod's "
+            "command with `shardwise script.py ...` (or torchrun), which starts one process per device."
+        )
+
+
+def _from_mpi(env: Mapping[str, str], default_port: int) -> DistEnv | None:
+    if "OMPI_COMM_WORLD_RANK" in env:
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        source = "openmpi"
+    elif "PMI_RANK" in env:
+        names, source = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"), "mpich"
+    elif "PMIX_RANK" in env and "PMIX_SIZE" in env:
+        names, source = ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"), "pmix"
+    else:
+        return None
+    rank, world = _int(env, names[0]), _int(env, names[1])
+    local_rank, local_world = _int(env, names[2], rank), _int(env, names[3], world)
+    master = env.get("MASTER_ADDR") or _local_master(local_world, world, source, "MASTER_ADDR")
+    return DistEnv(rank, world, local_rank, local_world, master, _int(env, "MASTER_PORT", default_port), source)
+
+
+def _local_master(local_world: int, world: int, source: str, var: str) -> str:
+    if local_world == world:
+        return "127.0.0.1"  # every rank is on this host
+    raise EnvError(
+        f"{source}: {world} ranks on several hosts, but {var} is not set, so rank 0's address is unknown. "
+        f"Pass it to every rank (e.g. mpirun -x MASTER_ADDR=<first host>), or launch with "
+        f"`shardwise --launcher {source if source != 'pmix' else 'openmpi'}`, which does."
     )
+
+
+def _from_slurm(env: Mapping[str, str], default_port: int) -> DistEnv | None:
+    if "SLURM_PROCID" not in env or not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return None  # not an srun task (the batch script itself also has SLURM_PROCID=0)
+    rank = _int(env, "SLURM_PROCID")
+    world = _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), 1)
+    per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+    node = _int(env, "SLURM_NODEID", 0)
+    local_world = per_node[node] if node < len(per_node) else len(env.get("SLURM_GTIDS", "0").split(","))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    master = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+    return DistEnv(rank, world, _int(env, "SLURM_LOCALID", 0), local_world, master,
+                   _int(env, "MASTER_PORT", default_port), "slurm")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: ``"gpu[03-05,9],cpu1"`` → ``"gpu03"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise EnvError(f"SLURM node list {nodelist!r}: cannot read its first host; set MASTER_ADDR.")
+    prefix, ranges = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """SLURM's ``"2(x3),1"`` → ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for part in filter(None, text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise EnvError(f"SLURM tasks per node {text!r}: cannot read {part!r}.")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _check(env: DistEnv) -> DistEnv:
     if not 0 <= env.rank < env.world_size:
-        raise ValueError(
-            f"RANK ({env.rank}) must be in [0, WORLD_SIZE ({env.world_size})); the launcher's variables disagree. "
-            "Start the script with `shardwise`, `torchrun` or plain `python`."
+        raise EnvError(
+            f"RANK ({env.rank}) must be in [0, WORLD_SIZE ({env.world_size})) ({env.source} variables); "
+            f"the launcher's variables disagree. {HOW_TO_START}"
+        )
+    if not 0 <= env.local_rank < max(env.local_world_size, 1) or env.local_world_size > env.world_size:
+        raise EnvError(
+            f"LOCAL_RANK ({env.local_rank}) / LOCAL_WORLD_SIZE ({env.local_world_size}) do not fit WORLD_SIZE "
+            f"({env.world_size}) ({env.source} variables). {HOW_TO_START}"
         )
     return env
+
+
+def discover(default_port: int = 29500, environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the launcher's variables; without any, a single process on a free port."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            have, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+            raise EnvError(f"{have} is set but {missing} is not; a launcher sets both. {HOW_TO_START}")
+        return _check(_from_torch(env, default_port))
+    found = _from_mpi(env, default_port) or _from_slurm(env, default_port)
+    if found is not None:
+        return _check(found)
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "none")

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from shardwise.launcher.local import LocalLaunch
+    from shardwise.launcher.multinode import MultiNodeLaunch
 
-MULTI_NODE_ERROR = "multi-node launching is not available yet; use torchrun on each node"
+MULTI_NODE_ERROR = "several nodes need a --hostfile listing them ('<host> slots=<N>' per line)"
 
 
 class LaunchError(ValueError):
@@ -30,7 +31,37 @@ class Subcommand(NamedTuple):
 
 
 # Filled in by later tools (``report``, ``checkpoint``); a launch is whatever is not a subcommand.
-SUBCOMMANDS: dict[str, Subcommand] = {}
+def _plot(argv: list[str]) -> int:
+    from shardwise.monitor.plot import main as plot_main  # matplotlib only when plotting
+
+    return plot_main(argv)
+
+
+def _launcher_tool(module: str) -> Callable[[list[str]], int]:
+    """A subcommand implemented by ``shardwise.launcher.<module>.main``, imported only when run."""
+
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(f"shardwise.launcher.{module}").main(argv))
+
+    return run
+
+
+def _checkpoint(argv: list[str]) -> int:
+    from shardwise.checkpoint.cli import main as checkpoint_main
+
+    return checkpoint_main(argv)
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
+    "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
+    "report": Subcommand("versions, devices and which optional pieces work here", _launcher_tool("report")),
+    "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
+                             _launcher_tool("check_comm")),
+    "k8s": Subcommand("write a Kubeflow PyTorchJob manifest for this training", _launcher_tool("k8s")),
+}
 
 
 def build_launch_parser() -> argparse.ArgumentParser:
@@ -45,8 +76,24 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
         help="processes to start (CPU processes on a machine without GPUs); default: one per CUDA device, or 1")
-    add("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="only 1 is supported for now")
-    add("--hostfile", default=None, help="multi-node hostfile (not supported yet)")
+    add("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="use the first N hosts of the hostfile")
+    add("--hostfile", default=None, help="lines '<host> slots=<N>' (default /job/hostfile when it exists)")
+    add("-i", "--include", default="", help="only these hosts/slots: 'host1:0,1@host2'")
+    add("-e", "--exclude", default="", help="all but these hosts/slots: 'host1:0,1@host2'")
+    add("--launcher", default=None, choices=("pdsh", "ssh", "openmpi", "mpich", "slurm"),
+        help="how processes reach the nodes (default pdsh)")
+    add("--launcher_args", "--launcher-args", default="", metavar="ARGS", help="extra options for ssh/pdsh/mpirun/srun")
+    add("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the nodes")
+    add("--force_multi", "--force-multi", action="store_true", help="multi-node mode even for a single host")
+    add("--elastic_training", "--elastic-training", action="store_true",
+        help="c10d rendezvous: nodes may leave and rejoin between --min_nodes and --max_nodes")
+    add("--min_nodes", "--min-nodes", type=int, default=None, metavar="N", help="elastic: fewest nodes (default 1)")
+    add("--max_nodes", "--max-nodes", type=int, default=None, metavar="N", help="elastic: most nodes (default all)")
+    add("--max_restarts", "--max-restarts", type=int, default=None, metavar="N", help="elastic: restarts (default 3)")
+    add("--save_pid", "--save-pid", action="store_true",
+        help="write /tmp/<launcher pid>.shardwise listing every process of the job ('<role> <host> <pid>')")
+    add("--enable_each_rank_log", "--enable-each-rank-log", default=None, metavar="DIR",
+        help="send each rank's stdout/stderr to DIR/rank<R>.log")
     add("--master_addr", "--master-addr", default=None, metavar="ADDR", help="rendezvous address (default 127.0.0.1)")
     add("--master_port", "--master-port", type=int, default=None, metavar="PORT",
         help="rendezvous port (default 29500, or a free port if 29500 is busy)")
@@ -67,14 +114,12 @@ def _subcommand_epilog() -> str | None:
     return "subcommands:\n" + "\n".join(lines)
 
 
-def check_counts(args: argparse.Namespace) -> None:
-    """Refuse multi-node requests (until the multi-node runners exist) and process counts below one."""
-    if args.hostfile is not None:
-        raise LaunchError(f"--hostfile {args.hostfile}: {MULTI_NODE_ERROR}.")
-    if args.num_nodes is not None and args.num_nodes > 1:
+def check_counts(args: argparse.Namespace, hostfile: str | None) -> None:
+    """Process counts must be at least one; several nodes need a hostfile that names them."""
+    if hostfile is None and args.num_nodes is not None and args.num_nodes > 1:
         raise LaunchError(f"--num_nodes {args.num_nodes}: {MULTI_NODE_ERROR}.")
     if args.num_nodes is not None and args.num_nodes < 1:
-        raise LaunchError(f"--num_nodes must be 1 (this machine); got {args.num_nodes}.")
+        raise LaunchError(f"--num_nodes must be at least 1; got {args.num_nodes}.")
     if args.num_gpus is not None and args.num_gpus < 1:
         raise LaunchError(f"--num_gpus must be at least 1; got {args.num_gpus}.")
 
@@ -124,14 +169,22 @@ def resolve_master_port(requested: int | None) -> int:
     return requested
 
 
-def plan_launch(args: argparse.Namespace) -> LocalLaunch:
-    """Validate parsed options and turn them into a single-node launch plan."""
-    check_counts(args)
+def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
+    """Validate parsed options and turn them into a single-node or a multi-node launch plan."""
+    from shardwise.launcher import planning  # no torch: argument errors come fast
+
+    path = planning.hostfile_path(args)
+    check_counts(args, path)
     check_script(args)
+    nodes = planning.select_nodes(args, path) if path else planning.scheduler_on_this_host(args)
+    if nodes is not None and planning.is_multinode(args, nodes):
+        return planning.plan_multinode(args, nodes)
+    if nodes is not None:  # one host: run here on its selected slots, as DeepSpeed does
+        planning.use_slots_here(nodes[0])
     from shardwise.launcher import local  # after the checks: argument errors come without importing torch
 
-    return local.LocalLaunch(
-        nproc=resolve_nproc(args.num_gpus),
+    return planning.as_pod_of_job(args, local.LocalLaunch(
+        nproc=nodes[0].nproc if nodes else resolve_nproc(args.num_gpus),
         script=args.command[0],
         script_args=tuple(args.command[1:]),
         master_addr=args.master_addr or local.DEFAULT_MASTER_ADDR,
@@ -139,15 +192,31 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch:
         module=args.module,
         no_python=args.no_python,
         pass_local_rank=not args.no_local_rank,
-    )
+        max_restarts=(3 if args.max_restarts is None else args.max_restarts) if args.elastic_training else 0,
+        each_rank_log=args.enable_each_rank_log,
+        pid_file=planning.pid_file_path() if args.save_pid else None,
+    ))
 
 
 def launch(argv: list[str]) -> int:
     """``shardwise [options] script [args]``: start the processes, return the job's exit status."""
     plan = plan_launch(build_launch_parser().parse_args(argv))
+    from shardwise.launcher.multinode import MultiNodeLaunch, launch_multinode
+
+    if isinstance(plan, MultiNodeLaunch):
+        return launch_multinode(plan)
     from shardwise.launcher import local  # torch is imported only when launching
 
     return local.launch_local(plan)
+
+
+def _plan_errors() -> tuple[type[ValueError], ...]:
+    """Errors of hostfiles, env files and runners: user errors, printed like ``LaunchError``."""
+    from shardwise.launcher.hostfile import HostfileError
+    from shardwise.launcher.remote_env import EnvFileError
+    from shardwise.launcher.runners import RunnerError
+
+    return HostfileError, EnvFileError, RunnerError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SUBCOMMANDS[args[0]].run(args[1:])
     try:
         return launch(args)
-    except LaunchError as error:
+    except (LaunchError, *_plan_errors()) as error:
         print(f"shardwise: error: {error}", file=sys.stderr, flush=True)
         return 2
 

@@ -11,13 +11,15 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils import macros
+
+from shardwise.launcher import bootstrap, watchdog
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -35,6 +37,27 @@ class LocalLaunch:
     module: bool = False
     no_python: bool = False
     pass_local_rank: bool = True
+    # One node of several (set by ``node.py``): static rendezvous at master, or c10d for elastic jobs.
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_backend: str = "static"
+    run_id: str = "none"
+    max_restarts: int = 0
+    local_addr: str | None = None
+    rdzv_conf: str = ""  # c10d only: "is_host=1" on the node that serves the rendezvous store
+    each_rank_log: str | None = None  # --enable_each_rank_log DIR
+    pid_file: str | None = None  # --save_pid: where every process of the job notes its pid
+
+
+def in_bootstrap(plan: LocalLaunch) -> LocalLaunch:
+    """The same plan with every worker started through ``bootstrap.py`` (watchdog, error file, local rank).
+
+    ``--local_rank`` is then added by the bootstrap (from ``LOCAL_RANK``), not by the agent's macro.
+    """
+    mode = "module" if plan.module else "exec" if plan.no_python else "path"
+    head = ("--pass-local-rank",) if plan.pass_local_rank else ()
+    return replace(plan, script="shardwise.launcher.bootstrap", script_args=(*head, mode, plan.script, *plan.script_args),
+                   module=True, no_python=False, pass_local_rank=False)
 
 
 def visible_cuda_devices() -> int:
@@ -81,12 +104,18 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     The script's own args are set after parsing so nothing in them is read as a torchrun option.
     """
     argv = [
-        "--nnodes=1",
+        f"--nnodes={plan.nnodes}",
         f"--nproc-per-node={plan.nproc}",
-        f"--master-addr={plan.master_addr}",
-        f"--master-port={plan.master_port}",
-        "--max-restarts=0",  # one failing rank stops the job; no silent restarts
+        f"--max-restarts={plan.max_restarts}",  # 0 unless elastic: one failing rank stops the job
+        f"--rdzv-backend={plan.rdzv_backend}",
+        f"--rdzv-id={plan.run_id}",
     ]
+    if plan.rdzv_backend == "static":
+        argv += [f"--node-rank={plan.node_rank}", f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}"]
+    else:
+        argv += [f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}"]
+        argv += [f"--rdzv-conf={plan.rdzv_conf}"] if plan.rdzv_conf else []
+    argv += [f"--local-addr={plan.local_addr}"] if plan.local_addr else []
     argv += ["--module"] if plan.module else []
     argv += ["--no-python"] if plan.no_python else []
     args = torchrun.get_args_parser().parse_args([*argv, plan.script])
@@ -122,13 +151,28 @@ def exit_code_of(error: ChildFailedError) -> int:
     return code if 0 < code < 256 else 1
 
 
-def launch_local(plan: LocalLaunch) -> int:
-    """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
+def run_agent(plan: LocalLaunch) -> None:
+    """Run this node's elastic agent; raises ``ChildFailedError`` / ``SignalException`` as torchrun does.
+
+    Workers start through ``bootstrap.py`` and learn this process's pid, so that they stop themselves if it
+    is killed (see [Note: orphaned ranks] in ``watchdog.py``).
+    """
     if plan.nproc > 1:
         # torchrun's own default for several workers, set here to skip its multi-line banner.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[watchdog.AGENT_PID_VAR] = str(os.getpid())
+    if plan.each_rank_log:
+        os.environ[bootstrap.RANK_LOG_VAR] = os.path.abspath(plan.each_rank_log)
+    if plan.pid_file:
+        os.environ[bootstrap.PID_FILE_VAR] = plan.pid_file
+        bootstrap.note_pid("agent")
+    torchrun.run(torchrun_args(in_bootstrap(plan)))
+
+
+def launch_local(plan: LocalLaunch) -> int:
+    """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
     try:
-        torchrun.run(torchrun_args(plan))
+        run_agent(plan)
     except ChildFailedError as error:
         print(describe_failure(error), file=sys.stderr, flush=True)
         return exit_code_of(error)

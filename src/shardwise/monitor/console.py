@@ -1,11 +1,36 @@
-"""Rank 0's console line every `steps_per_print` optimizer steps: step, loss, lr, loss scale, throughput."""
+"""Console backend: rank 0's log lines, one per kind of event at each report.
+
+    step 20 | loss 2.3104 | lr 1.000e-03 | loss scale 1 | grad norm 0.8123 | 310.2 samples/s | ...
+    step 20 | time per step (ms) | forward 12.10 | backward 30.02 | backward_reduce 4.51 | step 3.20
+    step 20 | memory (MB) | parameters 12.0 | master_weights 0.0 | gradients 12.0 | ...
+
+The engine's events count samples on their step axis (DeepSpeed's "Train/Samples/..."); the console
+shows optimizer steps, so it divides by the samples of one step. A user's own events
+(`engine.monitor.write_events`) go to the file and dashboard backends only: scripts often write one
+per step, which would drown the console.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
+from typing import Sequence
+
+from .base import Event
 
 logger = logging.getLogger("shardwise")
+
+ENGINE_PREFIX = "Train/Samples/"
+TIMER_PREFIX = "elapsed_time_ms_"
+_FORMATS = {
+    "train_loss": "loss {:.4f}",
+    "lr": "lr {:.3e}",
+    "loss_scale": "loss scale {:g}",
+    "grad_norm": "grad norm {:.4g}",
+    "samples_per_sec": "{:.1f} samples/s",
+    "tokens_per_sec": "{:,.0f} tokens/s",
+    "tflops_per_rank": "{:.3g} TFLOPS/rank",
+    "peak_memory_mb": "peak memory {:,.0f} MB",
+}
 
 
 def ensure_console_handler() -> None:
@@ -18,32 +43,29 @@ def ensure_console_handler() -> None:
         logger.propagate = False
 
 
-class ConsoleLog:
-    """Accumulates samples and tokens between prints; rates are measured over the whole interval."""
+class ConsoleMonitor:
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step = max(1, samples_per_step)
 
-    def __init__(self, steps_per_print: int, enabled: bool):
-        self.every = steps_per_print
-        self.enabled = enabled
-        self._t0 = time.perf_counter()
-        self._samples = 0
-        self._tokens = 0
-        self._loss_sum = 0.0
-        self._loss_count = 0
+    def write_events(self, events: Sequence[Event]) -> None:
+        lines: dict[tuple[int, str], list[str]] = {}
+        for name, value, step in events:
+            if not name.startswith(ENGINE_PREFIX):
+                continue
+            short = name[len(ENGINE_PREFIX):]
+            key, part = _line_part(short, value)
+            lines.setdefault((step // self.samples_per_step, key), []).append(part)
+        for (step, heading), parts in lines.items():
+            logger.info("step %d | %s%s", step, heading, " | ".join(parts))
 
-    def on_step(self, step: int, loss: float, samples: int, tokens: int, lr: list[float], scale: float) -> None:
-        self._samples += samples
-        self._tokens += tokens
-        self._loss_sum += loss
-        self._loss_count += 1
-        if step % self.every != 0:
-            return
-        dt = max(time.perf_counter() - self._t0, 1e-9)
-        if self.enabled:
-            lrs = ", ".join(f"{x:.3e}" for x in lr)
-            logger.info(
-                "step %d | loss %.4f | lr %s | loss scale %g | %.1f samples/s | %.0f tokens/s",
-                step, self._loss_sum / self._loss_count, lrs, scale, self._samples / dt, self._tokens / dt,
-            )
-        self._t0 = time.perf_counter()
-        self._samples = self._tokens = self._loss_count = 0
-        self._loss_sum = 0.0
+    def close(self) -> None:
+        pass
+
+
+def _line_part(short: str, value: float) -> tuple[str, str]:
+    """(line heading, text) of one engine event: timers and memory get lines of their own."""
+    if short.startswith(TIMER_PREFIX):
+        return "time per step (ms) | ", f"{short[len(TIMER_PREFIX):]} {value:.2f}"
+    if short.startswith("memory_") and short.endswith("_mb"):
+        return "memory (MB) | ", f"{short[len('memory_'):-len('_mb')]} {value:,.2f}"
+    return "", _FORMATS.get(short, short + " {:.6g}").format(value)

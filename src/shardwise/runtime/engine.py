@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..distributed import Collectives, Topology
-from ..monitor.console import ConsoleLog
+from ..monitor.reporter import StepFigures
 from ..precision import PrecisionPolicy
+from ..profiling.instruments import Instruments
+from ..profiling.memory import MemoryBreakdown
 from .step import StepResult, take_step
 from .strategy import ShardingStrategy
 
@@ -55,7 +57,11 @@ class Engine(torch.nn.Module):
         self._window_loss = 0.0
         self._window_tokens = 0
         self.training_dataloader: Any = None
-        self._console = ConsoleLog(config.steps_per_print, enabled=self.global_rank == 0)
+        from ..checkpoint.save import CheckpointWriter
+
+        self.checkpoint_writer = CheckpointWriter(config.checkpoint.async_save, config.checkpoint.tag_validation)
+        self.instruments = Instruments(config, strategy, comm, device, self.global_rank, topology.data.size)
+        self.monitor = self.instruments.monitor
 
     # --- DeepSpeed's accessors -------------------------------------------------------------
     @property
@@ -97,7 +103,15 @@ class Engine(torch.nn.Module):
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         self._window_tokens += _token_count(inputs, kwargs)
-        return self.module(*inputs, **kwargs)
+        with self.instruments.forward(self.module, self.global_steps):
+            try:
+                return self.module(*inputs, **kwargs)
+            except RuntimeError as e:
+                explain = getattr(self.strategy, "explain_forward_error", None)
+                message = explain(e) if explain else None
+                if message:
+                    raise RuntimeError(message) from e
+                raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if loss.dim() != 0:
@@ -108,15 +122,19 @@ class Engine(torch.nn.Module):
         factor = self.precision.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps()
-        (loss * factor).backward(retain_graph=retain_graph)
-        self.strategy.finish_backward()
+        with self.instruments.backward():
+            (loss * factor).backward(retain_graph=retain_graph)
+            with self.instruments.reduce():
+                self.strategy.finish_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if self._in_no_sync:
             raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
-        if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.instruments.step(boundary):
+            if boundary:
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
@@ -129,10 +147,10 @@ class Engine(torch.nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         gas = self.gradient_accumulation_steps()
-        self._console.on_step(
-            self.global_steps, self._window_loss / gas, self.train_batch_size(),
-            self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale,
-        )
+        self.instruments.on_step(StepFigures(
+            self.global_steps, self.global_samples, self._window_loss / gas, self.train_batch_size(),
+            self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale, self.get_global_grad_norm(),
+        ))
         self._window_loss, self._window_tokens = 0.0, 0
 
     @contextlib.contextmanager
@@ -149,6 +167,19 @@ class Engine(torch.nn.Module):
         finally:
             self._in_no_sync = previous
 
+    # --- seeing the run (profiling/) ----------------------------------------------------------
+    def comms_summary(self, print_table: bool = True) -> str:
+        """The table of collectives this rank issued (op, group, size, count, latency, bandwidths);
+        printed by global rank 0, returned on every rank."""
+        table = self.instruments.comms_summary()
+        if print_table and self.global_rank == 0:
+            print(table, flush=True)
+        return table
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes of parameters / masters / gradients / optimizer state / buffers on this rank, with peaks."""
+        return self.instruments.memory_breakdown()
+
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True) -> str:
@@ -156,11 +187,18 @@ class Engine(torch.nn.Module):
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
+        """Consolidated weights in the training dtype (safetensors), e.g. for `from_pretrained`."""
+        from ..checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
         from ..checkpoint import load_checkpoint
 
+        self.checkpoint_writer.wait()
         return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)

@@ -1,0 +1,87 @@
+"""Which rank failed first, and how to say so (pure: works on plain data).
+
+[Note: first failure] When one rank dies, its peers fail a moment later inside a collective ("Connection
+closed by peer") and every node reports failures. The root cause is the earliest failure that is *not* such a
+consequence: failures whose message matches :data:`CONSEQUENCES` rank after all others, then by time
+(exceptions carry a precise time from ``bootstrap.py``; deaths by signal only the agent's whole second).
+Because a consequence is often reported first (its node noticed sooner), the launcher waits up to
+``multinode.CAUSE_GRACE_S`` for the cause's report before it stops the job, which would silence it.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Messages of ranks that failed because a peer had already gone (gloo, NCCL, TCPStore).
+CONSEQUENCES = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET", "Connection refused",
+    "NCCL communicator was aborted", "DistNetworkError", "recvValue failed", "Socket Timeout",
+)
+TRACEBACK_LINES = 40
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    exitcode: int  # negative: killed by that signal
+    message: str
+    traceback: str
+    time: float
+
+    @property
+    def consequence(self) -> bool:
+        text = self.message + self.traceback
+        return any(marker in text for marker in CONSEQUENCES)
+
+    def how(self) -> str:
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = "unknown signal"
+            return f"signal {-self.exitcode} ({name})"
+        return f"exit code {self.exitcode}"
+
+    def summary(self) -> str:
+        return (f"rank {self.rank} on host {self.host} (local rank {self.local_rank}, pid {self.pid}) failed first, "
+                f"with {self.how()}" + (f": {self.message}" if self.message and self.exitcode >= 0 else ""))
+
+    def traceback_tail(self) -> str:
+        lines = self.traceback.rstrip().splitlines()
+        cut = lines[-TRACEBACK_LINES:]
+        return "\n".join((["  ..."] if len(lines) > len(cut) else []) + cut)
+
+    def exit_code(self) -> int:
+        return self.exitcode if 0 < self.exitcode < 256 else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Failure:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+def first_failure(failures: list[Failure]) -> Failure:
+    """The root cause among ``failures`` (see [Note: first failure])."""
+    return min(failures, key=lambda f: (f.consequence, f.time, f.rank))
+
+
+def from_child_failed(error: Any, host: str) -> list[Failure]:
+    """Torch's ``ChildFailedError`` → :class:`Failure` per failed rank (error-file data when there is one)."""
+    found = []
+    for rank, pf in error.failures.items():
+        data = pf.error_file_data.get("message", {})
+        extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+        message = data.get("message", "") if isinstance(data, dict) else str(data)
+        found.append(Failure(
+            rank=int(rank), local_rank=int(pf.local_rank), host=extra.get("shardwise_host", host), pid=int(pf.pid),
+            exitcode=int(pf.exitcode), message=message if extra else "", traceback=extra.get("py_callstack", ""),
+            time=float(extra.get("shardwise_time", pf.timestamp)),
+        ))
+    return found

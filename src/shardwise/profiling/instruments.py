@@ -1,0 +1,131 @@
+"""Everything the engine does to be seen, behind one object, so the engine makes one call per phase:
+`forward`, `backward`, `reduce` and `step` contexts, `on_step` with the step's figures.
+
+Owns the monitor fan-out, the phase timers, the flops profiler, the comms logger, the activation
+tracker and the (opt-in) progress line. With every switch off each context is one shared no-op:
+training pays nothing to be watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from ..config import Config
+from ..distributed import Collectives
+from ..monitor.base import FanOut
+from ..monitor.build import build_monitor
+from ..monitor.progress import progress_from_env
+from ..monitor.reporter import PREFIX, StepFigures, StepReporter
+from .comms import CommsLogger
+from .flops_profiler import FlopsProfiler
+from .memory import ActivationTracker, MemoryBreakdown, memory_breakdown
+from .timers import StepTimers
+
+logger = logging.getLogger("shardwise")
+_NOTHING: ContextManager[None] = contextlib.nullcontext()
+
+
+class Instruments:
+    def __init__(self, config: Config, strategy: Any, comm: Collectives, device: torch.device, rank: int,
+                 dp_size: int):
+        self.monitor: FanOut = build_monitor(config, rank)
+        self.timers = StepTimers(config.wall_clock_breakdown, device)
+        self.flops_profiler = FlopsProfiler(config.flops_profiler, device, rank)
+        self.comms_logger = CommsLogger(config.comms_logger, comm.stats, device, rank)
+        self.activations = ActivationTracker(config.memory_breakdown)
+        self.reporter = StepReporter(self.monitor, config.steps_per_print, device)
+        self.progress = progress_from_env(rank)
+        self.strategy, self.device, self.rank, self.dp_size = strategy, device, rank, dp_size
+        self.stage = config.zero_optimization.stage
+        self.log_memory = config.memory_breakdown
+        # The 6·N·tokens estimate of a step's FLOPs (forward 2N, backward 4N per token) until a profile exists.
+        self._flops_per_token = 6 * sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
+        self._micro_batches = 0
+        self._figures: StepFigures | None = None
+
+    # --- phases ------------------------------------------------------------------------------
+    def forward(self, module: torch.nn.Module, global_steps: int) -> ContextManager[None]:
+        self._micro_batches += 1
+        self.reporter.mark_start()
+        profiled = self.flops_profiler.forward(module, global_steps)
+        if not self.timers.enabled and not self.activations.enabled and profiled is _NOTHING:
+            return _NOTHING
+        return _all(self.timers("forward"), profiled, self.activations.track(module))
+
+    def backward(self) -> ContextManager[None]:
+        profiled = self.flops_profiler.backward()
+        if not self.timers.enabled and profiled is _NOTHING:
+            return _NOTHING
+        return _all(self.timers("backward"), profiled)
+
+    def reduce(self) -> ContextManager[None]:
+        """Around the strategy's `finish_backward`: the wait for gradient reduction backward did not hide."""
+        return self.timers("backward_reduce")
+
+    @contextlib.contextmanager
+    def step(self, boundary: bool) -> Iterator[None]:
+        """Around `engine.step()`; reports after the step's own time is measured."""
+        # The profiler's context is outermost so that printing its report is not timed as the step.
+        with _all(self.flops_profiler.step() if boundary else _NOTHING, self.timers("step")):
+            yield
+        if self._figures is not None:
+            figures, self._figures = self._figures, None
+            self._report(figures)
+
+    def on_step(self, figures: StepFigures) -> None:
+        """An optimizer step was taken; it is reported when the `step` context closes."""
+        self._figures = figures
+
+    # --- reports -----------------------------------------------------------------------------
+    def _report(self, figures: StepFigures) -> None:
+        self.timers.step_done()
+        due = self.reporter.due(figures.step)
+        timers_ms = {k: v * 1e3 for k, v in self.timers.take_means().items()} if due and self.timers.enabled else {}
+        self.reporter.on_step(figures, self._step_flops(figures), timers_ms)
+        if self.progress is not None:
+            self.progress.update(figures)
+        if due and self.log_memory:
+            self._report_memory(figures.samples)
+
+    def _step_flops(self, figures: StepFigures) -> float | None:
+        """This rank's FLOPs in the step: measured per micro-batch once profiled, else 6·N·tokens."""
+        micro_batches, self._micro_batches = self._micro_batches, 0
+        profile = self.flops_profiler.profile
+        if profile is not None and profile.bwd_flops:
+            return float(profile.flops * micro_batches)
+        if figures.tokens:
+            return float(self._flops_per_token * figures.tokens / self.dp_size)
+        return None
+
+    def _report_memory(self, samples: int) -> None:
+        mem = self.memory_breakdown()
+        mb = 2.0**20
+        values = {"parameters": mem.parameters.total, "master_weights": mem.master_weights.total,
+                  "gradients": mem.gradients.total, "optimizer_state": mem.optimizer_state.total,
+                  "buffers": mem.buffers.total}
+        if mem.activations_peak is not None:
+            values["activations_peak"] = mem.activations_peak
+        self.monitor.write_events([(f"{PREFIX}memory_{k}_mb", v / mb, samples) for k, v in values.items()])
+
+    def comms_summary(self) -> str:
+        return self.comms_logger.summary()
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        return memory_breakdown(self.strategy, self.device, self.stage, self.dp_size, self.activations.peak)
+
+    def close(self) -> None:
+        self.monitor.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+@contextlib.contextmanager
+def _all(*contexts: ContextManager[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
