@@ -160,3 +160,23 @@ def test_client_state_must_be_json():
 
     with pytest.raises(RankFailure, match="client_state: must be JSON-serialisable"):
         run_distributed(run, 1)
+
+
+def _async_vs_sync(root):
+    config = _config(2)
+    out = []
+    for mode in ("sync", "async"):
+        engine = _engine({**config, "checkpoint": {"async_save": mode == "async"}})
+        _train(engine, 0, 3)
+        engine.save_checkpoint(f"{root}/{mode}")
+        _train(engine, 3, 2)  # training goes on (and changes every tensor) while the write runs
+        engine.checkpoint_writer.wait()
+        resumed = _engine(config)
+        resumed.load_checkpoint(f"{root}/{mode}")
+        out.append(_train(resumed, 3, 2))
+    return out
+
+
+def test_async_save_captures_the_state_at_the_call(tmp_path):
+    sync, background = run_distributed(_async_vs_sync, 2, str(tmp_path), timeout=300)[0]
+    assert sync == background
