@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import accelerator
+from ..launcher.watchdog import start_parent_watchdog
 from .env import discover
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def init_distributed(
             "torch.distributed.init_process_group first, or drop dist_init_required."
         )
     env = discover(distributed_port)
+    start_parent_watchdog()  # a rank whose launcher or node agent was SIGKILLed exits instead of training on
     if rank >= 0 and world_size > 0:
         env = type(env)(rank, world_size, env.local_rank, env.local_world_size, env.master_addr, env.master_port)
     env.export()

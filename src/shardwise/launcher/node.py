@@ -16,9 +16,11 @@ import sys
 import threading
 
 from shardwise.launcher import bootstrap, netutil
-from shardwise.launcher.failures import Failure, first_failure, from_child_failed
+from shardwise.launcher.failures import first_failure, from_child_failed
 from shardwise.launcher.jobspec import JobSpec
 from shardwise.launcher.lifeline import Lifeline
+
+KILL_AFTER_S = 10.0  # after the launcher went away: SIGTERM, then SIGKILL if this agent is still here
 
 
 def parse_args(argv: list[str]) -> tuple[JobSpec, int]:
@@ -74,8 +76,12 @@ def run_node(spec: JobSpec, node_rank: int) -> int:
     finished = threading.Event()
 
     def launcher_gone() -> None:
-        if not finished.is_set():  # the agent turns SIGTERM into stopping every rank of this node
-            os.kill(os.getpid(), signal.SIGTERM)
+        if finished.is_set():
+            return
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent turns SIGTERM into stopping every rank of this node
+        # An agent blocked in a rendezvous may not act on it; dying makes every rank's watchdog stop it.
+        if not finished.wait(KILL_AFTER_S):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     lifeline.watch(launcher_gone)
     try:
@@ -89,6 +95,9 @@ def run_node(spec: JobSpec, node_rank: int) -> int:
     except SignalException as stop:
         finished.set()
         return 128 + int(stop.sigval)
+    except BaseException:
+        finished.set()
+        raise
     finished.set()
     lifeline.send({"event": "done"})
     lifeline.close()
