@@ -63,6 +63,7 @@ def initialize(
         module=model, param_groups=groups, make_optimizer=make_optimizer, precision=precision,
         dp_group=topology.data, comm=comm, zero=cfg.zero_optimization,
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
+        aio=cfg.aio,
     ))
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
     engine = Engine(cfg, topology, strategy, precision, comm, scheduler, device, local_rank)

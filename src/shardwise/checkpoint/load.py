@@ -24,9 +24,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
                     load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
     reader = CheckpointReader(load_dir, tag)
     meta = reader.meta
-    slots = engine.strategy.state_slots()
-    _check_names(reader, {s.name for s in slots}, {n for n, _ in engine.module.named_parameters()}, load_module_strict)
-    with torch.no_grad():
+    with engine.strategy.resident(), torch.no_grad():
+        slots = engine.strategy.state_slots()
+        _check_names(reader, {s.name for s in slots}, {n for n, _ in engine.module.named_parameters()},
+                     load_module_strict)
         for slot in slots:
             if reader.has(slot.name):
                 kind = layout.MASTER if layout.MASTER in reader.kinds(slot.name) else layout.VALUE
@@ -36,7 +37,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
                 buf.copy_(reader.buffer(name))
         if load_optimizer_states:
             _load_optimizer(engine.optimizer, slots, reader)
-    engine.strategy.after_state_load()
+        engine.strategy.after_state_load()
     if load_optimizer_states:
         engine.precision.loss_scaler.load_state_dict(meta["loss_scaler"])
         for key, value in meta["counters"].items():

@@ -61,8 +61,10 @@ class CheckpointWriter:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier()
-        tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
-                                 include_buffers=dist.get_rank() == 0, copy=self.async_save)
+        with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
+            tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
+                                     include_buffers=dist.get_rank() == 0,
+                                     copy=self.async_save or _swapped(engine))
         meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
                                 "persistent_buffers": persistent_buffers(engine.module),
                                 "optimizer": _optimizer_meta(engine.optimizer)}
@@ -166,6 +168,12 @@ def _pack(engine: Any, include_replicated: bool, include_buffers: bool,
         for name, buf in engine.module.named_buffers():
             tensors[layout.buffer_key(name)] = _host(buf, copy)
     return tensors, records
+
+
+def _swapped(engine: Any) -> bool:
+    """Whether resident() hands out temporary buffers (NVMe): the snapshot must outlive them."""
+    offload = getattr(engine.strategy, "offload", None)
+    return hasattr(offload, "swapper")
 
 
 def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -18,7 +18,6 @@ ROOT_KEYS: dict[str, str] = {
     "autotuning": COSMETIC,
     "zero_allow_untested_optimizer": COSMETIC,
     "zero_force_ds_cpu_optimizer": COSMETIC,
-    "aio": COSMETIC,
     "amp": CHANGES_TRAINING,
     "sparse_gradients": CHANGES_TRAINING,
     "activation_checkpointing": CHANGES_TRAINING,
@@ -32,10 +31,6 @@ ROOT_KEYS: dict[str, str] = {
 }
 
 ZERO_KEYS: dict[str, str] = {
-    "offload_optimizer": CHANGES_TRAINING,
-    "offload_param": CHANGES_TRAINING,
-    "cpu_offload": CHANGES_TRAINING,
-    "cpu_offload_params": CHANGES_TRAINING,
     "zero_quantized_weights": CHANGES_TRAINING,
     "zero_quantized_gradients": CHANGES_TRAINING,
     "zero_hpz_partition_size": CHANGES_TRAINING,
@@ -53,6 +48,9 @@ ZERO_KEYS: dict[str, str] = {
 
 # DeepSpeed spellings that mean the same as one of ours.
 ROOT_ALIASES: dict[str, str] = {"bfloat16": "bf16", "zero_optimization_stage": "zero_optimization.stage"}
+
+# Old DeepSpeed spellings inside zero_optimization: a true flag means offload to the CPU.
+ZERO_FLAG_ALIASES: dict[str, str] = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_param"}
 
 
 def is_switched_off(value: object) -> bool:

@@ -48,6 +48,7 @@ def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Co
     raw = load_raw(config)
     problems: list[str] = []
     _apply_aliases(raw)
+    _apply_zero_flag_aliases(raw)
     _drop_auto(raw)
     _normalise_names(raw)
     _strip_deepspeed_only(raw, problems)
@@ -70,6 +71,17 @@ def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Co
 def config_json_schema() -> dict[str, Any]:
     """JSON schema of the config, for editors."""
     return Config.model_json_schema()
+
+
+def _apply_zero_flag_aliases(raw: dict[str, Any]) -> None:
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for flag, section in ds_keys.ZERO_FLAG_ALIASES.items():
+        if flag in zero:
+            value = zero.pop(flag)
+            if value is True:
+                zero.setdefault(section, {"device": "cpu"})
 
 
 def _apply_aliases(raw: dict[str, Any]) -> None:

@@ -47,6 +47,61 @@ class SchedulerConfig(Section):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer`: where fp32 masters and optimizer state live (stages 1-3)."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = Field(4, ge=2)
+    fast_init: bool = False
+    ratio: float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadOptimizerConfig:
+        _need_nvme_path(self.device, self.nvme_path, "offload_optimizer")
+        if self.ratio != 1.0:
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio: only 1.0 (offload all optimizer state) is "
+                             f"supported; got {self.ratio}. Remove the key.")
+        return self
+
+
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param`: where stage 3's parameter slices live between uses."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = Field(5, ge=1)
+    buffer_size: int = Field(100_000_000, ge=1)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadParamConfig:
+        _need_nvme_path(self.device, self.nvme_path, "offload_param")
+        return self
+
+
+def _need_nvme_path(device: str, path: str | None, section: str) -> None:
+    if device == "nvme" and not path:
+        raise ValueError(f"zero_optimization.{section}.nvme_path: required when device is \"nvme\"; got none. "
+                         "Point it at a directory on a fast local disk.")
+
+
+class AioConfig(Section):
+    """`aio`: the asynchronous I/O used by NVMe offload."""
+
+    block_size: int = Field(1_048_576, ge=4096)
+    queue_depth: int = Field(8, ge=1)
+    thread_count: int = Field(1, ge=1)
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
 class ZeroConfig(Section):
     """`zero_optimization`. Sizes are in elements, as in DeepSpeed."""
 
@@ -68,6 +123,18 @@ class ZeroConfig(Section):
                                              "stage3_gather_fp16_weights_on_model_save",
                                              "gather_16bit_weights_on_model_save"))
     sub_group_size: int = Field(1_000_000_000, ge=1)
+    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
+
+    @model_validator(mode="after")
+    def _offload_stages(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3; got stage 0. "
+                             "Set zero_optimization.stage.")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param: needs ZeRO stage 3; got stage {self.stage}. Use "
+                             "offload_optimizer at stages 1-2, or stage 3.")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -115,6 +182,7 @@ class Config(Section):
     memory_breakdown: bool = False
     data_types: DataTypesConfig = DataTypesConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    aio: AioConfig = AioConfig()
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

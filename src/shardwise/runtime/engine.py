@@ -187,6 +187,13 @@ class Engine(torch.nn.Module):
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
+    def destroy(self) -> None:
+        """Finish a background save and release what the engine holds outside memory (NVMe swap files)."""
+        self.checkpoint_writer.wait()
+        for policy in (getattr(self.strategy, "offload", None), getattr(self.strategy, "param_home", None)):
+            if policy is not None:
+                policy.close()
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
         """Consolidated weights in the training dtype (safetensors), e.g. for `from_pretrained`."""
         from ..checkpoint import save_16bit_model

@@ -7,12 +7,14 @@ optimizer over them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
 
 from ..config import ZeroConfig
+from ..config.sections import AioConfig
 from ..distributed import Collectives, Group
 from ..precision import PrecisionPolicy
 
@@ -78,6 +80,9 @@ class ShardingStrategy(Protocol):
     def after_state_load(self) -> None:
         """Make the module's parameters current after `state_slots()` values were overwritten."""
 
+    def resident(self) -> contextlib.AbstractContextManager:
+        """Offloaded state in memory for the duration: `state_slots()` is used inside it."""
+
 
 @dataclass(frozen=True)
 class StrategyInputs:
@@ -90,6 +95,7 @@ class StrategyInputs:
     zero: ZeroConfig
     prescale_gradients: bool
     gradient_predivide_factor: float
+    aio: AioConfig = AioConfig()
 
 
 def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:

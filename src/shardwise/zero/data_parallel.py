@@ -8,6 +8,7 @@ parameters are the masters (no copy).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -100,6 +101,9 @@ class DataParallel:
         slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
                   for n, p in self.module.named_parameters() if id(p) not in trainable]
         return slots
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def after_state_load(self) -> None:
         if self.precision.mixed:

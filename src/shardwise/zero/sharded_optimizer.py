@@ -19,10 +19,12 @@ aid for CPU offload), `elastic_checkpoint` (checkpoints are saved by parameter n
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from ..offload import make_optimizer_offload
 from ..runtime.strategy import StateSlot, StrategyInputs
 from .data_parallel import _norm, trainable_parameters
 from .flat_param import BucketLayout, plan_buckets
@@ -47,13 +49,17 @@ class ShardedDataParallel:
                 shard = layout.shard_range(self.group.rank, self.group.size)
                 buckets.append(Bucket(layout, members, self.precision.grad_accum_dtype, shard, partitioned=stage == 2))
                 self.bucket_group.append(index)
+        self.offload = make_optimizer_offload(inputs.zero.offload_optimizer, inputs.zero.sub_group_size,
+                                              self.group.rank, inputs.aio)
         self.param_flats, self.masters = zip(*(self._flatten(b) for b in buckets)) if buckets else ((), ())
+        self._aliased = [m.data_ptr() == f[b.shard[0]:].data_ptr() for m, f, b in zip(self.masters, self.param_flats, buckets)]
         if self.precision.mixed:
             self.module.to(dtype=self.precision.param_dtype)  # frozen parameters and buffers
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2)
         self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm)
         self.optimizer = inputs.make_optimizer(self._master_groups(inputs.param_groups))
+        self.offload.bind(self.optimizer)
 
     def _flatten(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the bucket's parameters into one flat buffer; return it and this rank's master slice."""
@@ -64,10 +70,10 @@ class ShardedDataParallel:
         lo, hi = bucket.shard
         if self.precision.mixed:
             # The master slice comes from the fp32 weights, before they are rounded to 16 bits.
-            master = torch.nn.Parameter(full[lo:hi].clone())
+            master = self.offload.home(full[lo:hi].clone())
             full = full.to(self.precision.param_dtype)
         else:
-            master = torch.nn.Parameter(full[lo:hi])  # fp32: the owned slice of the parameters is the master
+            master = self.offload.home(full[lo:hi])  # on the device in fp32, the owned slice is the master
         for slot, p in zip(layout.slots, bucket.params):
             p.data = full[slot.offset : slot.offset + slot.numel].view_as(p)
         return full, master
@@ -94,14 +100,21 @@ class ShardedDataParallel:
         torch._foreach_mul_(self.buckets.shard_grads(), factor)
 
     def optimizer_step(self) -> None:
-        for master, grad in zip(self.masters, self.buckets.shard_grads()):
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        self.optimizer.step()
+        self.offload.step(self.optimizer, list(self.masters), self.buckets.shard_grads(), self._write_back)
+        self._all_gather_params()
+
+    def _write_back(self, i: int) -> None:
+        """Master slice i into this rank's slice of the 16-bit (or offloaded fp32) flat parameters."""
+        if not self._aliased[i]:
+            lo, hi = self.buckets.buckets[i].shard
+            with torch.no_grad():
+                self.param_flats[i][lo:hi].copy_(self.masters[i], non_blocking=True)
+
+    def _all_gather_params(self) -> None:
         pending = []
-        for master, flat in zip(self.masters, self.param_flats):
-            master.grad = None
-            owned = master.detach().to(flat.dtype, copy=True)
-            pending.append(self.comm.all_gather(flat, owned, self.group))
+        for flat, bucket in zip(self.param_flats, self.buckets.buckets):
+            lo, hi = bucket.shard
+            pending.append(self.comm.all_gather(flat, flat[lo:hi].clone(), self.group))
         for p in pending:
             p.wait()
 
@@ -110,9 +123,9 @@ class ShardedDataParallel:
 
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)  # parameters are views: this fills the flat buffers
-        if self.precision.mixed:
-            with torch.no_grad():
-                for master, flat, bucket in zip(self.masters, self.param_flats, self.buckets.buckets):
+        with self.offload.resident(), torch.no_grad():
+            for master, flat, bucket, aliased in zip(self.masters, self.param_flats, self.buckets.buckets, self._aliased):
+                if not aliased:
                     lo, hi = bucket.shard
                     master.copy_(flat[lo:hi])
 
@@ -131,12 +144,13 @@ class ShardedDataParallel:
                   for n, p in self.module.named_parameters() if id(p) not in in_buckets]
         return slots
 
+    def resident(self) -> contextlib.AbstractContextManager:
+        return self.offload.resident()
+
     def after_state_load(self) -> None:
-        with torch.no_grad():
-            pending = [self.comm.all_gather(flat, master.detach().to(flat.dtype, copy=True), self.group)
-                       for master, flat in zip(self.masters, self.param_flats)]
-            for p in pending:
-                p.wait()
+        for i in range(len(self.masters)):
+            self._write_back(i)
+        self._all_gather_params()
 
 
 def _trainable_groups(param_groups: list[dict[str, Any]], trainable: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

@@ -55,7 +55,7 @@ def _full_values(p: torch.nn.Parameter, comm: Collectives, group: Group, device:
 
 def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype,
                comm: Collectives, group: Group, live: LiveParams, device: torch.device,
-               persistence_threshold: int, trainable: bool) -> ParamUnit:
+               persistence_threshold: int, trainable: bool, offload: Any, home: Any) -> ParamUnit:
     """Fill this rank's slice one parameter at a time (peak: the slice plus one whole parameter)."""
     names, params = [n for n, _ in named], [p for _, p in named]
     shapes = [INIT_SHARD_OF[p].shape if p in INIT_SHARD_OF else p.shape for p in params]
@@ -67,11 +67,13 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
         values = _full_values(p, comm, group, device)
         if start < end:
             master[start - lo : end - lo] = values[start - slot.offset : end - slot.offset]
-    # fp32: the slice the optimizer updates is the very one that is all-gathered (no copy).
+    master_param = offload.home(master) if trainable else None
+    # fp32 on the device: the slice the optimizer updates is the very one that is all-gathered (no copy).
     shard = master if param_dtype == torch.float32 else master.to(param_dtype)
-    unit = ParamUnit(index, module_name, params, names, shapes, layout, shard, group, comm, live,
-                     persistent=layout.numel < persistence_threshold,
-                     master=torch.nn.Parameter(master) if trainable else None)
+    aliased = master_param is not None and master_param.data_ptr() == shard.data_ptr()
+    unit = ParamUnit(index, module_name, params, names, shapes, layout, home.keep(index, shard), group, comm, live,
+                     persistent=layout.numel < persistence_threshold, master=master_param, home=home,
+                     aliased=aliased and not home.offloaded, offload=offload, device=device)
     for p in params:
         UNIT_OF[p] = unit
     return unit

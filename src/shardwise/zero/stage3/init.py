@@ -156,9 +156,18 @@ class GatheredParameters(contextlib.AbstractContextManager):
             owner.comm.broadcast(p.data, self.modifier_rank, owner.group).wait()
         for unit in self._units:
             lo, hi = unit.layout.shard_range(unit.group.rank, unit.group.size)
-            unit.shard.copy_(unit.full[lo:hi])
-            if unit.master is not None and unit.master.data is not unit.shard:
-                unit.master.data.copy_(unit.shard)
+            if unit.master is not None:
+                with unit_master_resident(unit):
+                    unit.master.data.copy_(unit.full[lo:hi])
+            if not unit.aliased:
+                unit.home.store(unit.index, unit.shard, unit.full[lo:hi])
+
+
+def unit_master_resident(unit: Any) -> contextlib.AbstractContextManager:
+    """The master slice in memory: with NVMe offload the whole optimizer side is read in (rare: only
+    a modifying GatheredParameters needs it)."""
+    strategy_offload = getattr(unit, "offload", None)
+    return strategy_offload.resident() if strategy_offload is not None else contextlib.nullcontext()
 
 
 def load_state_dict_partitioned(module: torch.nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:

@@ -11,10 +11,12 @@ soon as they are complete, so the unit (a module's parameters) is the bucket.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from ...offload import make_optimizer_offload, make_param_home
 from ...runtime.strategy import StateSlot, StrategyInputs
 from ..data_parallel import _norm
 from ..grad_buckets import Bucket, GradBuckets
@@ -32,11 +34,14 @@ class Stage3:
         zero = inputs.zero
         self.live = LiveParams()
         device = _device_of(self.module)
+        self.offload = make_optimizer_offload(zero.offload_optimizer, zero.sub_group_size, self.group.rank, inputs.aio)
+        self.param_home = make_param_home(zero.offload_param, self.group.rank, inputs.aio)
         self.units: list[ParamUnit] = []
         self.unit_group: dict[int, int] = {}
         for module_name, group_index, named in plan_units(self.module, inputs.param_groups):
             unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm, self.group,
-                              self.live, device, zero.stage3_param_persistence_threshold, trainable=group_index >= 0)
+                              self.live, device, zero.stage3_param_persistence_threshold, trainable=group_index >= 0,
+                              offload=self.offload, home=self.param_home)
             self.units.append(unit)
             self.unit_group[unit.index] = group_index
         if self.precision.mixed:
@@ -56,6 +61,7 @@ class Stage3:
         for unit in self.trainable:
             groups[self.unit_group[unit.index]]["params"].append(unit.master)
         self.optimizer = inputs.make_optimizer(groups)
+        self.offload.bind(self.optimizer)
         # Plain functions: torch marks public state-dict hooks with an attribute, which a bound method cannot take.
         self._state_dict_handles = [
             self.module.register_state_dict_pre_hook(lambda *a: self._before_state_dict(*a)),
@@ -95,15 +101,10 @@ class Stage3:
         torch._foreach_mul_(self.buckets.shard_grads(), factor)
 
     def optimizer_step(self) -> None:
-        for bucket, unit in zip(self.buckets.buckets, self._bucket_unit):
-            grad = bucket.shard_grad
-            unit.master.grad = grad if grad.dtype == unit.master.dtype else grad.to(unit.master.dtype)
-        self.optimizer.step()
+        grads = {id(u): b.shard_grad for b, u in zip(self.buckets.buckets, self._bucket_unit)}
         with torch.no_grad():
-            for unit in self.trainable:
-                unit.master.grad = None
-                if unit.shard is not unit.master.data:
-                    unit.shard.copy_(unit.master)
+            self.offload.step(self.optimizer, self.masters, [grads[id(u)] for u in self.trainable],
+                              lambda i: self.trainable[i].write_back())
         for unit in self.units:  # every gathered copy is stale now
             unit.release(force=True)
         self._gather_persistent()
@@ -142,7 +143,7 @@ class Stage3:
         """Stream full weights into the slices: each rank keeps the part of each tensor it owns."""
         names = {n for u in self.units for n in u.names}
         _check_names(names, set(state), strict)
-        with torch.no_grad():
+        with self.resident(), torch.no_grad():
             for unit in self.units:
                 target = unit.master if unit.master is not None else unit.shard
                 lo, hi = unit.layout.shard_range(self.group.rank, self.group.size)
@@ -151,8 +152,7 @@ class Stage3:
                     if name in state and start < end:
                         flat = state[name].reshape(-1)
                         target[start - lo : end - lo] = flat[start - slot.offset : end - slot.offset]
-                if target is not unit.shard:
-                    unit.shard.copy_(target)
+                unit.write_back()
                 unit.release(force=True)
         buffers = {k: v for k, v in state.items() if k not in names}
         self.module.load_state_dict(buffers, strict=False)
@@ -172,11 +172,16 @@ class Stage3:
                                            start - lo))
         return slots
 
+    def resident(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.offload.resident())
+        stack.enter_context(self.param_home.resident(self.units))
+        return stack
+
     def after_state_load(self) -> None:
         with torch.no_grad():
             for unit in self.trainable:
-                if unit.shard is not unit.master.data:
-                    unit.shard.copy_(unit.master)
+                unit.write_back()
         for unit in self.units:
             unit.release(force=True)
         self._gather_persistent()

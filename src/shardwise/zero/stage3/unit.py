@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,17 +58,27 @@ class ParamUnit:
     """Small units stay gathered for the whole run (stage3_param_persistence_threshold)."""
     master: torch.Tensor | None = None
     """The fp32 master slice the optimizer steps (trainable units); `shard` itself in fp32 training."""
+    home: Any = None
+    """Where `shard` lives between uses (`offload/params.py`): the device, host memory or a swap file."""
+    aliased: bool = False
+    """`master` and `shard` are one tensor (fp32, nothing offloaded): no write-back after a step."""
+    offload: Any = None
+    """The optimizer-offload policy holding `master` (GatheredParameters may need it resident)."""
+    device: torch.device | None = None
+    """The compute device the full parameters are gathered on."""
     state: UnitState = UnitState.SHARDED
     users: int = 0
     _pending: Pending | None = None
+    _source: torch.Tensor | None = None
     full: torch.Tensor = field(init=False)
     _views: list[torch.Tensor] = field(init=False)
     _placeholders: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.device = self.device or self.shard.device
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
         self._views = [self.full[s.offset : s.offset + s.numel].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
-        self._placeholders = [torch.empty(0, dtype=self.shard.dtype, device=self.shard.device) for _ in self.params]
+        self._placeholders = [torch.empty(0, dtype=self.shard.dtype, device=self.device) for _ in self.params]
         self.full.untyped_storage().resize_(0)
         for p, empty in zip(self.params, self._placeholders):
             p.data = empty
@@ -86,7 +97,8 @@ class ParamUnit:
         if self.state is not UnitState.SHARDED:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self._pending = self.comm.all_gather(self.full, self.shard, self.group)
+        self._source = self.home.fetch(self.index, self.shard, self.full.device)  # alive until the gather is done
+        self._pending = self.comm.all_gather(self.full, self._source, self.group)
         self.state = UnitState.GATHERING
         if not self.persistent:
             self.live.add(self.numel)
@@ -96,10 +108,19 @@ class ParamUnit:
         self.gather_async()
         if self.state is UnitState.GATHERING:
             self._pending.wait()
-            self._pending = None
+            self._pending = self._source = None
             for p, view in zip(self.params, self._views):
                 p.data = view
             self.state = UnitState.FULL
+
+    def write_back(self) -> None:
+        """After the optimizer step: the updated master slice becomes the stored 16-bit slice."""
+        if self.master is not None and not self.aliased:
+            self.home.store(self.index, self.shard, self.master.detach().to(self.shard.dtype))
+
+    def current_shard(self) -> torch.Tensor:
+        """This rank's slice as it is now (read from host memory or disk when offloaded)."""
+        return self.home.fetch(self.index, self.shard, self.full.device)
 
     def release(self, force: bool = False) -> None:
         """Free the full parameters (persistent units keep them unless `force`)."""
