@@ -28,6 +28,8 @@ WriteBack = Callable[[int], None]
 
 
 class OnDevice:
+    offloaded = False
+
     def home(self, values: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(values)
 
@@ -68,6 +70,8 @@ def _sub_groups(numels: list[int], size: int) -> list[list[int]]:
 
 
 class HostOffload(OnDevice):
+    offloaded = True
+
     def __init__(self, cfg: OffloadOptimizerConfig, sub_group_size: int):
         self.pin = cfg.pin_memory and torch.cuda.is_available()
         self.sub_group_size = sub_group_size

@@ -22,9 +22,24 @@ class ModelStateBytes:
     optimizer: int
     """fp32 master copies (when parameters are 16-bit) plus optimizer state."""
 
+    optimizer_offloaded: bool = False
+    """Masters and optimizer state live in host memory or on disk (offload_optimizer)."""
+    params_offloaded: bool = False
+    """Stage-3 parameter slices live in host memory or on disk (offload_param)."""
+
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def device(self) -> int:
+        """Bytes held where the model computes."""
+        return (0 if self.params_offloaded else self.params) + self.grads + (0 if self.optimizer_offloaded else self.optimizer)
+
+    @property
+    def host(self) -> int:
+        """Bytes held in host memory by offloading (what is swapped to disk counts in neither)."""
+        return self.total - self.device
 
 
 def formula_bytes(numel: int, world: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
@@ -62,7 +77,11 @@ def measured_bytes(strategy: object) -> ModelStateBytes:
     masters = [m for m in strategy.masters if m.untyped_storage().data_ptr() not in param_ptrs]  # type: ignore[attr-defined]
     state = [v for s in strategy.optimizer.state.values() for v in s.values()  # type: ignore[attr-defined]
              if isinstance(v, torch.Tensor) and v.numel() > 1]
-    return ModelStateBytes(_unique_bytes(params), _unique_bytes(grads), _unique_bytes(masters) + _unique_bytes(state))
+    offload = getattr(strategy, "offload", None)
+    home = getattr(strategy, "param_home", None)
+    return ModelStateBytes(_unique_bytes(params), _unique_bytes(grads), _unique_bytes(masters) + _unique_bytes(state),
+                           optimizer_offloaded=bool(getattr(offload, "offloaded", False)),
+                           params_offloaded=bool(getattr(home, "offloaded", False)))
 
 
 def estimate_model_states_memory(model: torch.nn.Module, num_gpus: int = 1, num_nodes: int = 1, stage: int = 2,
