@@ -2,7 +2,7 @@
 
 [Note: first failure] When one rank dies, its peers fail a moment later inside a collective ("Connection
 closed by peer") and every node reports failures. The root cause is the earliest failure that is *not* such a
-consequence: failures whose message matches :data:`CONSEQUENCES` rank after all others, then by time
+consequence: failures whose message matches :data:`CONSEQUENCES`, or deaths by SIGTERM, rank after all others, then by time
 (exceptions carry a precise time from ``bootstrap.py``; deaths by signal only the agent's whole second).
 Because a consequence is often reported first (its node noticed sooner), the launcher waits up to
 ``multinode.CAUSE_GRACE_S`` for the cause's report before it stops the job, which would silence it.
@@ -35,6 +35,10 @@ class Failure:
 
     @property
     def consequence(self) -> bool:
+        # SIGTERM is how agents stop the surviving ranks of a failed job, so it is an effect, not a cause
+        # (when every failure is a consequence, the earliest one is still reported).
+        if self.exitcode == -signal.SIGTERM:
+            return True
         text = self.message + self.traceback
         return any(marker in text for marker in CONSEQUENCES)
 
