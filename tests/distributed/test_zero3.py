@@ -107,7 +107,7 @@ def _twice():
     reference.load_state_dict(model.state_dict())
     engine, *_ = shardwise.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": EAGER})
+        "gradient_clipping": 0.0, "zero_optimization": EAGER})
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -161,7 +161,7 @@ class Config(Section):
     gradient_accumulation_steps: int = Field(ge=1)
     steps_per_print: int = Field(10, ge=1)
     wall_clock_breakdown: bool = False
-    gradient_clipping: float = Field(0.0, ge=0.0)
+    gradient_clipping: float = Field(1.0, ge=0.0, description="global-norm clip; DeepSpeed's default is 1.0, 0 disables")
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None

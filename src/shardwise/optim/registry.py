@@ -57,6 +57,8 @@ def build_optimizer(cfg: OptimizerConfig, param_groups: Iterable[dict[str, Any]]
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         kwargs = {k: v for k, v in params.items() if k not in _IMPLEMENTATION_KEYS}
         kwargs["fused"] = True
+        if not params.get("torch_adam", False):
+            kwargs.setdefault("weight_decay", 0.0)  # DeepSpeed's fused Adam defaults to 0 (torch's AdamW to 0.01)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     try:
