@@ -97,25 +97,32 @@ def ds_config(micro: int, accum: int, clip: float = 0.0, lr: float = 1e-2, optim
     }
 
 
-def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
-    """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine."""
+def train_steps(engine: Any, start: int, steps: int) -> list[float]:
+    """Steps [start, start + steps) of the shared batch sequence; each loss is the global batch's mean."""
     import torch.distributed as dist
 
-    import shardwise
-
-    model = make_model()
-    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
-    micro, accum, world = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         total = torch.zeros(())
         for m in range(accum):
-            loss = engine(*micro_batch(step, m, dist.get_rank(), micro, accum, world))
+            loss = engine(*micro_batch(step, m, rank, micro, accum, world))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (accum * world))
+    return losses
+
+
+def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine."""
+    import shardwise
+
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
+    losses = train_steps(engine, 0, steps)
     params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     return losses, params, engine
 

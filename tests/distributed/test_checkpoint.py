@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise
 from shardwise.checkpoint import CheckpointError
 from tests.harness import RankFailure, run_distributed
-from tests.parity import ds_config, make_model, micro_batch, param_groups
+from tests.parity import train_steps, ds_config, make_model, param_groups
 
 SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 40, "warmup_max_lr": 1e-2}}
 
@@ -32,19 +31,7 @@ def _engine(config):
 
 
 def _train(engine, start, steps):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for step in range(start, start + steps):
-        total = torch.zeros(())
-        for m in range(accum):
-            loss = engine(*micro_batch(step, m, rank, micro, accum, world))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (accum * world))
-    return losses
+    return train_steps(engine, start, steps)
 
 
 def _save_then_continue(root, configs):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.harness import run_distributed
 from tests.parity import assert_close_run, ds_config, engine_run, oracle

@@ -5,7 +5,6 @@ to the oracle's losses."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -3,13 +3,11 @@ or on disk give the same numbers as keeping them on the device."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.zero import measured_bytes
-from tests.harness import RankFailure, run_distributed
+from tests.harness import run_distributed
 from tests.parity import ds_config, make_model, micro_batch, param_groups
 
 STEPS = 10

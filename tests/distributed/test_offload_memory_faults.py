@@ -6,7 +6,6 @@ import os
 import subprocess
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import shardwise

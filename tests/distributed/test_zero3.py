@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.zero import formula_bytes, measured_bytes
 from tests.harness import RankFailure, run_distributed
-from tests.parity import assert_close_run, ds_config, make_model, micro_batch, oracle, param_groups
+from tests.parity import train_steps, assert_close_run, ds_config, make_model, micro_batch, oracle, param_groups
 
 STEPS = 20
 EAGER = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -34,19 +34,7 @@ def _engine(config, external=True):
 
 
 def _train(engine, steps):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for step in range(steps):
-        total = torch.zeros(())
-        for m in range(accum):
-            loss = engine(*micro_batch(step, m, rank, micro, accum, world))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (accum * world))
-    return losses
+    return train_steps(engine, 0, steps)
 
 
 def _sweep():

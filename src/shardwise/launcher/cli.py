@@ -155,13 +155,13 @@ def resolve_nproc(requested: int | None) -> int:
 
 def resolve_master_port(requested: int | None) -> int:
     """An explicit port must be valid and free; otherwise 29500, or a free port if that one is busy."""
-    from shardwise.launcher import local
+    from shardwise.launcher import local, netutil
 
     if requested is None:
         return local.pick_default_master_port()
     if not 0 < requested < 65536:
         raise LaunchError(f"--master_port must be between 1 and 65535; got {requested}.")
-    if not local.port_is_free(requested):
+    if not netutil.port_is_free(requested):
         raise LaunchError(
             f"--master_port {requested}: the port is in use on this machine; "
             "choose another, or leave --master_port out to have a free one picked."

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from dataclasses import dataclass, replace
 
@@ -20,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils import macros
 
 from shardwise.launcher import bootstrap, watchdog
+from shardwise.launcher.netutil import free_port, port_is_free
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -68,25 +68,6 @@ def visible_cuda_devices() -> int:
 def default_nproc() -> int:
     """Number of workers when none is asked for: one per visible CUDA device, else one CPU process."""
     return visible_cuda_devices() or 1
-
-
-def port_is_free(port: int) -> bool:
-    """Whether a TCP server could listen on ``port`` on all interfaces (as the agent's store will)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR: a port left in TIME_WAIT is usable, only a listening socket makes it busy.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def find_free_port() -> int:
-    """A port the OS reports free right now (another process may still take it before we do)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def worker_args(plan: LocalLaunch) -> list[str]:
@@ -186,7 +167,7 @@ def pick_default_master_port() -> int:
     """The default port 29500, or a free one (said on stderr) when something already listens there."""
     if port_is_free(DEFAULT_MASTER_PORT):
         return DEFAULT_MASTER_PORT
-    port = find_free_port()
+    port = free_port()
     print(
         f"shardwise: master port {DEFAULT_MASTER_PORT} is in use on this machine; using free port {port} "
         "(pass --master_port to choose one).",

@@ -9,7 +9,6 @@ parameters are the masters (no copy).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 

@@ -14,7 +14,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...distributed import Collectives, Group
-from .unit import ParamUnit
 
 
 @dataclass(eq=False)

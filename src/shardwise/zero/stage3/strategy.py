@@ -192,6 +192,6 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 
 
 def _check_names(expected: set[str], given: set[str], strict: bool) -> None:
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    missing = sorted(expected - given)  # extra names are buffers, loaded separately
     if strict and missing:
         raise KeyError(f"load_module_state_dict: missing parameters {missing[:10]}{' ...' if len(missing) > 10 else ''}.")
