@@ -180,9 +180,9 @@ def test_monitors_profiler_comms_and_memory(tmp_path):
         assert zero2.expected_model_states == pytest.approx(zero2.model_states, rel=0.01)
 
 
-def _timed(micro):
+def _timed(micro, stage=0):
     # Larger micro-batches than the other test: the engine's few untimed lines are a smaller share of a step.
-    config = ds_config(micro, ACCUM, steps_per_print=4, wall_clock_breakdown=True)
+    config = ds_config(micro, ACCUM, steps_per_print=4, wall_clock_breakdown=True, zero_optimization={"stage": stage})
     engine = _engine(config)
     reported = []
     on_step = engine.instruments.reporter.on_step
@@ -198,3 +198,8 @@ def test_phase_timers_add_up_to_the_step_time():
         phases = timers_ms["forward"] + timers_ms["backward"] + timers_ms["step"]  # backward_reduce is inside backward
         assert timers_ms["backward_reduce"] <= timers_ms["backward"]
         assert abs(phases / 1e3 - step_s) <= 0.10 * step_s, (timers_ms, step_s)
+
+
+def test_zero2_reports_the_allgather_inside_the_step():
+    for timers_ms, _ in run_distributed(_timed, WORLD, 8, 2):
+        assert 0 < timers_ms["step_allgather"] <= timers_ms["step"]

@@ -66,6 +66,10 @@ class Instruments:
         """Around the strategy's `finish_backward`: the wait for gradient reduction backward did not hide."""
         return self.timers("backward_reduce")
 
+    def allgather(self) -> ContextManager[None]:
+        """Around the strategy's `sync_params`: gathering updated parameters after the optimizer step."""
+        return self.timers("step_allgather")
+
     @contextlib.contextmanager
     def step(self, boundary: bool) -> Iterator[None]:
         """Around `engine.step()`; reports after the step's own time is measured."""

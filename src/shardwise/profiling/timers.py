@@ -22,9 +22,10 @@ import torch
 
 from .. import accelerator
 
-PHASES = ("forward", "backward", "backward_reduce", "step")
+PHASES = ("forward", "backward", "backward_reduce", "step", "step_allgather")
 """The engine's phases; `backward_reduce` is inside `backward` (the wait for gradient reduction after
-the last gradient is produced: the communication that backward did not hide)."""
+the last gradient is produced: the communication that backward did not hide); `step_allgather` is
+inside `step` (ZeRO-1/2 gathering the updated parameter slices)."""
 
 _NO_TIMER: ContextManager[None] = contextlib.nullcontext()
 

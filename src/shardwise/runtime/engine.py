@@ -138,7 +138,8 @@ class Engine(torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping)
+        self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
+                                    self.instruments.allgather)
         if self._last_step.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))

@@ -7,7 +7,9 @@ into one multiply.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Callable, ContextManager
 from dataclasses import dataclass
 
 from ..precision import LossScaler
@@ -21,7 +23,8 @@ class StepResult:
     """Global norm of the unscaled gradients before clipping; nan/inf on a skipped step."""
 
 
-def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float) -> StepResult:
+def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float,
+              timed_sync: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> StepResult:
     scale = scaler.scale
     norm = float(strategy.grad_norm()) / scale
     overflow = scaler.checks_overflow and not math.isfinite(norm)
@@ -36,5 +39,7 @@ def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float) -> St
     if factor != 1.0:
         strategy.scale_grads(factor)
     strategy.optimizer_step()
+    with timed_sync():
+        strategy.sync_params()
     strategy.zero_grads()
     return StepResult(True, norm)

@@ -67,7 +67,10 @@ class ShardingStrategy(Protocol):
     def scale_grads(self, factor: float) -> None: ...
 
     def optimizer_step(self) -> None:
-        """Update the master weights and make the module's parameters current."""
+        """Update the master weights and write them into this rank's part of the module's parameters."""
+
+    def sync_params(self) -> None:
+        """Make every rank's module parameters current (ZeRO-1/2 all-gather the updated slices)."""
 
     def zero_grads(self) -> None: ...
 

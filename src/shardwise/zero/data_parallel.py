@@ -83,6 +83,9 @@ class DataParallel:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], self.masters)
 
+    def sync_params(self) -> None:
+        """Nothing to gather: every rank already holds what it stepped (stage 0), or gathers on use (stage 3)."""
+
     def zero_grads(self) -> None:
         self.buckets.zero()
 

@@ -101,6 +101,8 @@ class ShardedDataParallel:
 
     def optimizer_step(self) -> None:
         self.offload.step(self.optimizer, list(self.masters), self.buckets.shard_grads(), self._write_back)
+
+    def sync_params(self) -> None:
         self._all_gather_params()
 
     def _write_back(self, i: int) -> None:

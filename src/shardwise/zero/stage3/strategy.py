@@ -109,6 +109,9 @@ class Stage3:
             unit.release(force=True)
         self._gather_persistent()
 
+    def sync_params(self) -> None:
+        """Nothing to gather: every rank already holds what it stepped (stage 0), or gathers on use (stage 3)."""
+
     def zero_grads(self) -> None:
         self.buckets.zero()
 
