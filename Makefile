@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NUM_PROCS ?= 2
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast clean finetune-demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,11 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) checkpoints runs .pytest_cache
+
+# LoRA fine-tuning of a tiny LLaMA under ZeRO-3 (examples/finetune_llm/README.md): a briefly pretrained base,
+# then the adapter on the bundled prompt/response pairs, then greedy completions from the merged weights.
+FT := checkpoints/finetune_llm
+finetune-demo: $(STAMP)
+	test -f $(FT)/base/model.safetensors || $(BIN)/python examples/finetune_llm/make_assets.py --skip_bundled --base $(FT)/base
+	$(BIN)/shardwise --num_gpus $(NUM_PROCS) examples/finetune_llm/train.py --model $(FT)/base --output_dir $(FT)/out --merge
+	$(BIN)/python examples/finetune_llm/generate.py --model $(FT)/out/merged

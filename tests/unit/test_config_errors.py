@@ -29,8 +29,8 @@ CASES = [
     ({**BASE, "zero_optimization": {"stage": 5}}, "zero_optimization.stage: input should be less than or equal to 3; got 5."),
     ({"train_micro_batch_size_per_gpu": "four"}, "train_micro_batch_size_per_gpu: input should be a valid integer"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu: input should be greater than or equal to 1; got 0."),
-    ({**BASE, "activation_checkpointing": {"partition_activations": True}},
-     "activation_checkpointing: a DeepSpeed setting that shardwise does not implement yet"),
+    ({**BASE, "pipeline": {"stages": 2}},
+     "pipeline: a DeepSpeed setting that shardwise does not implement yet"),
     ({**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3; got stage 0. Set zero_optimization.stage."),
     ({**BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
@@ -89,7 +89,7 @@ def test_batch_triangle(given, expected):
 
 
 def test_disabled_deepspeed_sections_are_dropped_quietly(caplog):
-    cfg = parse_config({**BASE, "activation_checkpointing": {"enabled": False}, "zero_optimization": {
+    cfg = parse_config({**BASE, "sparse_attention": {"enabled": False}, "zero_optimization": {
         "offload_optimizer": {"device": "none"}}}, dp_size=1)
     assert cfg.zero_optimization.stage == 0
     assert not caplog.records

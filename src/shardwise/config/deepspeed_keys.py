@@ -20,7 +20,6 @@ ROOT_KEYS: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": COSMETIC,
     "amp": CHANGES_TRAINING,
     "sparse_gradients": CHANGES_TRAINING,
-    "activation_checkpointing": CHANGES_TRAINING,
     "pipeline": CHANGES_TRAINING,
     "elasticity": CHANGES_TRAINING,
     "compression_training": CHANGES_TRAINING,

@@ -153,6 +153,19 @@ class DataTypesConfig(Section):
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
 
+class ActivationCheckpointingConfig(Section):
+    """`activation_checkpointing`: how `shardwise.runtime.activation_checkpointing.checkpoint` (DeepSpeed's
+    `deepspeed.checkpointing.checkpoint`) recomputes; models opt in by calling it. What each key does
+    there is described in that module."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = Field(None, ge=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
 class Config(Section):
     """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved."""
 
@@ -183,6 +196,7 @@ class Config(Section):
     data_types: DataTypesConfig = DataTypesConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     aio: AioConfig = AioConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

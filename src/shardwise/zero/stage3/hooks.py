@@ -48,6 +48,9 @@ class Stage3Hooks:
         self.root, self.units_of, self.live = root, units_of, live
         self.prefetch_numel, self.max_live, self.max_reuse = prefetch_numel, max_live, max_reuse_distance
         self.trace = ExecutionTrace()
+        self.in_backward = False
+        """Set by the strategy around backward: a forward run then is activation checkpointing's
+        recomputation, whose saved tensors the backward is about to read, so it must not release."""
         self._bwd_users: dict[int, int] = {}
         self._handles = []
         for module in units_of:
@@ -98,7 +101,7 @@ class Stage3Hooks:
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         for unit in self.units_of[module]:
             unit.users -= 1
-            if unit.users <= 0 and not self.trace.reused_within(unit, self.max_reuse):
+            if unit.users <= 0 and not self.in_backward and not self.trace.reused_within(unit, self.max_reuse):
                 unit.release()
         if torch.is_grad_enabled():
             needs_grad = [t for t in _tensors(output) if t.requires_grad]

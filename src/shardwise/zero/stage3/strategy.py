@@ -84,9 +84,11 @@ class Stage3:
 
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(True)
+        self.hooks.in_backward = True
 
     def finish_backward(self) -> None:
         self.buckets.finish()
+        self.hooks.in_backward = False
         self.hooks.end_backward()
         for unit in self.units:
             unit.release()
