@@ -19,8 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -190,7 +191,7 @@ def verdict(value: float | None, target: float, at_most: bool = True) -> dict[st
 def source_state() -> dict[str, Any]:
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 

@@ -46,10 +46,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, has_deepspeed, log, ratio, rss_mib,  # noqa: E402
-                      spawn, token_batches, write_report)
-from nvme_swap import _dd  # noqa: E402
-from zero_stages import WORLD, ds_config  # noqa: E402
+from _harness import (
+    REPO_ROOT,
+    RESULTS,
+    LoadSampler,
+    environment,
+    has_deepspeed,
+    log,
+    ratio,
+    rss_mib,
+    spawn,
+    token_batches,
+    write_report,
+)
+from nvme_swap import _dd
+from zero_stages import WORLD, ds_config
 
 CONFIGS = ("shardwise-2", "deepspeed-2", "shardwise-3", "deepspeed-3", "shardwise-2-async", "shardwise-3-async")
 
@@ -196,7 +207,7 @@ def _measure_process(code: str) -> dict[str, Any]:
     time_bin = shutil.which("time") or ("/usr/bin/time" if Path("/usr/bin/time").exists() else None)
     if time_bin:
         start = time.perf_counter()
-        done = subprocess.run([time_bin, "-v", sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        done = subprocess.run([time_bin, "-v", sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
         wall = time.perf_counter() - start
         match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
         if done.returncode or not match:
@@ -204,7 +215,7 @@ def _measure_process(code: str) -> dict[str, Any]:
         return {"peak_rss_mib": round(int(match.group(1)) / 1024, 1), "wall_s": round(wall, 3), "via": "/usr/bin/time -v"}
     wrapped = code + "\nimport resource; print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - start
     match = re.search(r"RSS (\d+)", done.stdout)
     if done.returncode or not match:

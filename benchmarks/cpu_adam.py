@@ -41,7 +41,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, LoadSampler, environment, has_deepspeed, log, rss_mib, spawn, write_report  # noqa: E402
+from _harness import (
+    RESULTS,
+    LoadSampler,
+    environment,
+    has_deepspeed,
+    log,
+    rss_mib,
+    spawn,
+    write_report,
+)
 
 OPTIMIZERS = ("shardwise CPUAdam", "torch fused", "torch foreach", "DeepSpeedCPUAdam")
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

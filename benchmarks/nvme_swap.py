@@ -24,7 +24,6 @@ Prints the JSON and writes benchmarks/results/nvme_swap.json.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import RESULTS, LoadSampler, environment, log, verdict, write_report  # noqa: E402
+from _harness import RESULTS, LoadSampler, environment, log, verdict, write_report
 
 MIB = 2**20
 # name -> AioConfig fields (the rest keep their defaults: block_size 1 MiB, queue_depth 8, thread_count 1)
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for io in ("write", "read"):
                 value = round(row[f"{io}_gb_s_{stat}"] / dd[f"{io}_gb_s_{stat}"], 3)
                 row[f"{io}_over_dd_{stat}"] = verdict(value, 0.8, at_most=False)
-    fs = subprocess.run(["df", "-T", str(base)], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
+    fs = subprocess.run(["df", "-T", str(base)], capture_output=True, text=True, check=False).stdout.strip().splitlines()[-1:]
     report = {"benchmark": "nvme_swap",
               "setup": {"path": str(base), "filesystem": fs[0] if fs else "", "tensor_mib": args.mib,
                         "rounds": args.rounds, **environment(), "load_average": load.summary()},

@@ -29,8 +29,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import ADAMW, RESULTS, LoadSampler, environment, has_deepspeed, log, pool_steps, ratio, verdict, write_report  # noqa: E402
-from zero_stages import PERSISTENCE, WORLD, run_config  # noqa: E402
+from _harness import (
+    ADAMW,
+    RESULTS,
+    LoadSampler,
+    environment,
+    has_deepspeed,
+    log,
+    pool_steps,
+    ratio,
+    verdict,
+    write_report,
+)
+from zero_stages import PERSISTENCE, WORLD, run_config
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": False}, "sub_group_size": 1_000_000_000}
 CONFIGS = ("shardwise-2", "deepspeed-2", "shardwise-3", "deepspeed-3")

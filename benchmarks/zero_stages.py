@@ -27,7 +27,6 @@ Prints the JSON and writes benchmarks/results/zero_stages.json (see benchmarks/R
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -35,8 +34,22 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (ADAMW, RESULTS, LoadSampler, environment, has_deepspeed, log, merge_ranks,  # noqa: E402
-                      pool_steps, ratio, rss_mib, spawn, token_batches, verdict, write_report)
+from _harness import (
+    ADAMW,
+    RESULTS,
+    LoadSampler,
+    environment,
+    has_deepspeed,
+    log,
+    merge_ranks,
+    pool_steps,
+    ratio,
+    rss_mib,
+    spawn,
+    token_batches,
+    verdict,
+    write_report,
+)
 
 WORLD = 2
 CONFIGS = ("floor", "shardwise-0", "shardwise-1", "shardwise-2", "shardwise-3", "deepspeed-1", "deepspeed-2",
@@ -185,7 +198,7 @@ def _floor_main(rank: int, preset_name: str, seq_len: int, micro: int, warmup: i
         cpu_parts[key].append(time.process_time() - cpu_start)
 
     for x, y in token_batches(model.cfg.vocab_size, micro, seq_len, warmup + steps, rank):
-        timed("fwd_bwd", lambda: model(x, y).backward())
+        timed("fwd_bwd", lambda x=x, y=y: model(x, y).backward())
         timed("adam_full", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
         timed("adam_shard", shard_opt.step)
 
@@ -289,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for kind, kind_runs in runs.items():
             if kind == "floor":
                 for part in ("full", "sharded"):
-                    pieces = [r[part] if part in r else r for r in kind_runs]
+                    pieces = [r.get(part, r) for r in kind_runs]
                     rows[f"floor-{part}"] = pool_steps(pieces, ("parts_s_median", "parts_cpu_s_median", "threads",
                                                                 "parameters", "optimizer"))
             else:
