@@ -50,3 +50,11 @@ def test_repeating_loader_moves_to_the_next_epoch():
     repeating = RepeatingLoader(loader)
     seen = [next(repeating)[0].tolist() for _ in range(7)]
     assert loader.epoch == 1 and len(seen) == 7
+
+
+def test_starting_an_epoch_leaves_the_global_rng_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    next(iter(DistributedLoader(DATA, 4, 0, 2, seed=1)))
+    assert torch.equal(torch.rand(1), expected)

@@ -26,8 +26,11 @@ class DistributedLoader:
     ):
         self.sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed,
                                           drop_last=drop_last)
+        # Its own generator: starting an epoch must not draw from torch's global RNG, or a run resumed
+        # mid-epoch (RNG restored, then a new iterator) would see different dropout masks from then on.
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn,
-                                 drop_last=drop_last, num_workers=num_workers)
+                                 drop_last=drop_last, num_workers=num_workers,
+                                 generator=torch.Generator().manual_seed(seed))
         self.epoch = 0
         self.batches_seen = 0
         """Batches handed out in the current epoch: the position a checkpoint resumes from."""
