@@ -10,7 +10,7 @@ produced the gradients of its inputs, and whatever is left at the end of backwar
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -120,10 +120,6 @@ class Stage3Hooks:
             for unit in self.units_of[module]:
                 if unit.master is None:  # frozen: no gradient hook will release it
                     unit.release()
-
-    def release_all(self, units: Iterable[ParamUnit], force: bool = False) -> None:
-        for unit in units:
-            unit.release(force=force)
 
     def end_backward(self) -> None:
         self._bwd_users.clear()

@@ -166,8 +166,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
 def unit_master_resident(unit: Any) -> contextlib.AbstractContextManager:
     """The master slice in memory: with NVMe offload the whole optimizer side is read in (rare: only
     a modifying GatheredParameters needs it)."""
-    strategy_offload = getattr(unit, "offload", None)
-    return strategy_offload.resident() if strategy_offload is not None else contextlib.nullcontext()
+    return unit.offload.resident() if unit.offload is not None else contextlib.nullcontext()
 
 
 def load_state_dict_partitioned(module: torch.nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:

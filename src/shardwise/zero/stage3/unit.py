@@ -118,10 +118,6 @@ class ParamUnit:
         if self.master is not None and not self.aliased:
             self.home.store(self.index, self.shard, self.master.detach().to(self.shard.dtype))
 
-    def current_shard(self) -> torch.Tensor:
-        """This rank's slice as it is now (read from host memory or disk when offloaded)."""
-        return self.home.fetch(self.index, self.shard, self.full.device)
-
     def release(self, force: bool = False) -> None:
         """Free the full parameters (persistent units keep them unless `force`)."""
         if self.state is UnitState.SHARDED or (self.persistent and not force):
