@@ -37,12 +37,17 @@ class Bucket:
         lo, hi = shard
         self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=self.device) if partitioned else self.flat[lo:hi]
         self.waiting = len(params)
+        # Persistent buffers never change: their slot views are made once (this runs in every gradient
+        # hook). Partitioned buffers come and go, and cached views would keep a freed buffer alive.
+        self._views = None if partitioned else [self.flat[s.offset : s.offset + s.numel] for s in layout.slots]
 
     def new_flat(self) -> torch.Tensor:
         return torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
 
     def slot_view(self, i: int) -> torch.Tensor:
         """Parameter i's slot of the full buffer (allocating it in partitioned mode)."""
+        if self._views is not None:
+            return self._views[i]
         if self.flat is None:
             self.flat = self.new_flat()
         slot = self.layout.slots[i]
