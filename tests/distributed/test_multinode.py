@@ -59,7 +59,6 @@ TRAIN = textwrap.dedent(
     if int(os.environ["RANK"]) == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "world": int(os.environ["WORLD_SIZE"]), "label": args.label}, f)
-    torch.distributed.destroy_process_group()  # leaving it to interpreter exit can abort (SIGABRT) in torch 2.13
     '''
 )
 

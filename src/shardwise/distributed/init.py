@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,23 @@ from .env import discover
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+EXIT_GRACE_S = 0.05
+_exit_hook_registered = False
+
+
+def _let_comm_threads_finish() -> None:
+    """Gloo's worker threads drop a finished collective (and its tensors) just after waking the waiter; a drop
+    that must take the GIL once interpreter finalization has begun aborts the rank with SIGABRT ("terminate
+    called without an active exception", torch 2.13). Sleeping hands them the GIL while it is still safe."""
+    time.sleep(EXIT_GRACE_S)
+
+
+def register_exit_hook() -> None:
+    """Idempotent; called wherever shardwise starts using a process group (ours or the user's)."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_let_comm_threads_finish)
+        _exit_hook_registered = True
 
 
 def init_distributed(
@@ -31,6 +50,7 @@ def init_distributed(
 ) -> None:
     """Initialise torch.distributed once; later calls are no-ops. MPI discovery arrives with multi-node."""
     if dist.is_initialized():
+        register_exit_hook()
         return
     if dist_init_required is False:
         raise RuntimeError(
@@ -54,6 +74,7 @@ def init_distributed(
         world_size=env.world_size,
         timeout=timeout,
     )
+    register_exit_hook()
     if verbose and env.rank == 0:
         logger.info("shardwise: %d process(es), backend %s, master %s:%d", env.world_size, backend,
                     env.master_addr, env.master_port)
