@@ -193,6 +193,10 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
         no_python=args.no_python,
         pass_local_rank=not args.no_local_rank,
         max_restarts=(3 if args.max_restarts is None else args.max_restarts) if args.elastic_training else 0,
+        # Elastic on one node rendezvouses like torchrun --standalone: restarted workers get a fresh store
+        # (see [Note: fresh store per round] in local.py); the static rendezvous keeps one for the whole job.
+        rdzv_backend="c10d" if args.elastic_training else "static",
+        rdzv_conf="is_host=1" if args.elastic_training else "",
         each_rank_log=args.enable_each_rank_log,
         pid_file=planning.pid_file_path() if args.save_pid else None,
     ))

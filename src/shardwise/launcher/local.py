@@ -147,6 +147,11 @@ def run_agent(plan: LocalLaunch) -> None:
     if plan.pid_file:
         os.environ[bootstrap.PID_FILE_VAR] = plan.pid_file
         bootstrap.note_pid("agent")
+    if plan.rdzv_backend == "c10d":
+        # [Note: fresh store per round] By default the c10d agents share one TCPStore with their workers for
+        # the whole job, so a restarted rank can read the gloo address its dead predecessor published and fail
+        # to connect (or hang). Opting out makes rank 0 host a new store, on a new port, every round.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     torchrun.run(torchrun_args(in_bootstrap(plan)))
 
 
