@@ -151,3 +151,36 @@ def test_streamed_load_into_partitioned_model_and_16bit_save(tmp_path):
     saved = load_file(path)
     assert set(saved) >= {k for k in ref if "rotary" not in k}
     torch.testing.assert_close(saved["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+
+
+def _hf_config(kind: str):
+    if kind == "opt":  # OPT's pad token is 1, and its embeddings zero that row in `_init_weights`
+        return transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32)
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    pad_token_id=3)
+
+
+def _built_under_init(kind: str):
+    cls = transformers.OPTForCausalLM if kind == "opt" else transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    with shardwise.zero.Init():
+        model = cls(_hf_config(kind))
+    with shardwise.zero.GatheredParameters(list(model.parameters())):
+        built = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    return built, cls(_hf_config(kind)).state_dict()
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_hugging_face_initialisation_inside_zero_init_matches_a_plain_build(kind):
+    """`post_init` runs on partitioned modules: the weights (pad row zeroed, std 0.02) are those of a model built
+    without Init from the same seed, on every rank."""
+    for built, plain in run_distributed(_built_under_init, 2, kind):
+        assert built.keys() == plain.keys()
+        for name in plain:
+            assert torch.equal(built[name], plain[name]), name
+        embed = next(v for k, v in built.items() if k.endswith("embed_tokens.weight"))
+        pad = _hf_config(kind).pad_token_id
+        assert embed[pad].abs().sum() == 0 and embed.std() == pytest.approx(0.02, rel=0.2)

@@ -6,9 +6,9 @@ peaks at about 1/N of it plus its largest layer. The engine later regroups these
 Torch is patched only inside the context manager (module constructors are wrapped) and restored on
 exit, even on error.
 
-A model whose constructor re-initialises its submodules afterwards (Hugging Face's `post_init`)
-re-initialises already partitioned (empty) parameters, which does nothing: load its weights after
-building it (`load_state_dict_partitioned`), as `from_pretrained` does.
+A Hugging Face model re-initialises its submodules at the end of its constructor (`post_init`), when they
+are already partitioned; `hf_init.py` makes that work a module at a time on gathered parameters. Pretrained
+weights are then streamed in with `load_state_dict_partitioned`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ... import accelerator
 from ...distributed import Collectives, Group, init_distributed
+from .hf_init import partitioned_hf_initialisation
 from .registry import INIT_SHARD_OF, UNIT_OF, InitShard
 
 
@@ -60,11 +61,14 @@ class Init(contextlib.ContextDecorator):
         self._had_init_subclass = "__init_subclass__" in torch.nn.Module.__dict__
         self._init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
         torch.nn.Module.__init_subclass__ = classmethod(lambda cls, **kw: self._wrap(cls))  # type: ignore[assignment]
+        self._hf = contextlib.ExitStack()
+        self._hf.enter_context(partitioned_hf_initialisation(is_partitioned, GatheredParameters))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
+        self._hf.close()
         if self._had_init_subclass:
             torch.nn.Module.__init_subclass__ = self._init_subclass  # type: ignore[assignment]
         else:
