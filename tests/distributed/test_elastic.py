@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_multinode import RUN_TIMEOUT_S, _kill as kill_if_alive, child_env, launcher_cmd, ssh_args
-from tests.distributed.test_multinode_hosts import Hosts, make_hosts, remove_hosts, why_unavailable
+from tests.distributed.test_multinode_hosts import Hosts, namespace_hosts
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -115,12 +115,8 @@ def test_without_restarts_left_the_failure_ends_the_job(job: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    reason = why_unavailable()
-    if reason:
-        pytest.skip(f"multi-node elastic tests need two network-namespace hosts: {reason}")
-    made = make_hosts(tmp_path_factory.mktemp("elastic-hosts"))
-    yield made
-    remove_hosts(made)
+    with namespace_hosts(tmp_path_factory, "multi-node elastic tests") as made:
+        yield made
 
 
 def elastic_cmd(hosts: Hosts, job: Path, name: str, *script_args: str) -> tuple[list[str], dict[str, str]]:

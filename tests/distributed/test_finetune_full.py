@@ -73,7 +73,7 @@ CHECKPOINTED = {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": Tr
 
 @pytest.mark.parametrize("offload,checkpointing", [(name, None) for name in OFFLOAD] + [("none", CHECKPOINTED)],
                          ids=[*OFFLOAD, "none-activation-checkpointing"])
-def test_full_finetuning_matches_single_process(offload, checkpointing, model_dirs, tmp_path):
+def test_full_finetuning_matches_single_process(offload, checkpointing, model_dirs, tmp_path):  # noqa: F811
     reason = offload_unavailable(offload, tmp_path / "nvme")
     if reason:
         pytest.skip(reason)

@@ -18,9 +18,9 @@ import torch
 from shardwise.distributed.env import free_port
 from shardwise.launcher import k8s
 from tests.distributed.test_finetune_lora import BUNDLED, model_dirs  # noqa: F401 - model_dirs is a fixture
-from tests.distributed.test_k8s import operator_env
+from tests.distributed.test_k8s import run_pods
 from tests.distributed.test_multinode import RUN_TIMEOUT_S, child_env, launcher_cmd, ssh_args
-from tests.distributed.test_multinode_hosts import Hosts, make_hosts, remove_hosts, why_unavailable
+from tests.distributed.test_multinode_hosts import Hosts, namespace_hosts
 
 pytest.importorskip("peft")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -77,29 +77,14 @@ def test_torchrun_writes_the_same_adapter(llama: Path, under_shardwise: dict, tm
 def test_kubernetes_pods_write_the_same_adapter(llama: Path, under_shardwise: dict, tmp_path: Path) -> None:
     args = k8s.build_parser().parse_args(["--name", "ft", "--image", "img", "--workers", "2", "--gpus-per-worker", "1",
                                           "--", str(SCRIPT), *script_args(llama, tmp_path)])
-    job = k8s.build_manifest(args)
-    port, shardwise_bin = free_port(), str(Path(sys.executable).parent / "shardwise")
-    pods = []
-    for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        container = spec["template"]["spec"]["containers"][0]
-        command = [shardwise_bin if word == "shardwise" else word for word in container["command"]]
-        env = {**child_env(), **{e["name"]: e["value"] for e in container["env"]}}
-        for index in range(spec["replicas"]):
-            pods.append(subprocess.Popen(command, cwd=tmp_path, env={**env, **operator_env(job, replica, index, port)},
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [pod.communicate(timeout=RUN_TIMEOUT_S)[0] for pod in pods]
-    assert [pod.returncode for pod in pods] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_pods(k8s.build_manifest(args), tmp_path, timeout=RUN_TIMEOUT_S)
     assert_same_adapter(adapter(tmp_path), under_shardwise)
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    reason = why_unavailable()
-    if reason:
-        pytest.skip(f"the hostfile run needs two network-namespace hosts: {reason}")
-    made = make_hosts(tmp_path_factory.mktemp("ft-hosts"))
-    yield made
-    remove_hosts(made)
+    with namespace_hosts(tmp_path_factory, "the hostfile run") as made:
+        yield made
 
 
 def test_hostfile_across_two_nodes_writes_the_same_adapter(llama: Path, under_shardwise: dict, hosts: Hosts,

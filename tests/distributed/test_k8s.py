@@ -113,6 +113,21 @@ def operator_env(job: dict[str, Any], replica: str, index: int, port: int) -> di
             "PYTHONUNBUFFERED": "1"}
 
 
+def run_pods(job: dict[str, Any], cwd: Path, timeout: float = 150) -> None:
+    """Every pod's command as a local process with the operator's env; all must succeed."""
+    port, shardwise_bin = free_port(), str(Path(sys.executable).parent / "shardwise")
+    pods = []
+    for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        container = spec["template"]["spec"]["containers"][0]
+        command = [shardwise_bin if word == "shardwise" else word for word in container["command"]]
+        env = {**child_env(), **{e["name"]: e["value"] for e in container["env"]}}
+        for index in range(spec["replicas"]):
+            pods.append(subprocess.Popen(command, cwd=cwd, env={**env, **operator_env(job, replica, index, port)},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [pod.communicate(timeout=timeout)[0] for pod in pods]
+    assert all(pod.returncode == 0 for pod in pods), "\n".join(o[-3000:] for o in outputs)
+
+
 def test_simulated_pytorchjob_trains_to_the_oracle(tmp_path: Path) -> None:
     from tests.parity import oracle
 
@@ -122,17 +137,7 @@ def test_simulated_pytorchjob_trains_to_the_oracle(tmp_path: Path) -> None:
                                           "--", "train.py", "--out", str(out)])
     job = k8s.build_manifest(args)
     assert validate(job, SCHEMA) == []
-    port, shardwise_bin = free_port(), str(Path(sys.executable).parent / "shardwise")
-    pods = []
-    for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        container = spec["template"]["spec"]["containers"][0]
-        command = [shardwise_bin if word == "shardwise" else word for word in container["command"]]
-        env = {**child_env(), **{e["name"]: e["value"] for e in container["env"]}}
-        for index in range(spec["replicas"]):
-            pods.append(subprocess.Popen(command, cwd=tmp_path, env={**env, **operator_env(job, replica, index, port)},
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [pod.communicate(timeout=150)[0] for pod in pods]
-    assert [pod.returncode for pod in pods] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_pods(job, tmp_path)
     got = json.loads(out.read_text())
     assert got["world"] == 4
     assert got["losses"] == pytest.approx(oracle(4, 8)[0], rel=1e-5)

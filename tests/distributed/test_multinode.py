@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_multinode_hosts import Hosts, make_hosts, remove_hosts, why_unavailable
+from tests.distributed.test_multinode_hosts import Hosts, namespace_hosts
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -73,12 +73,8 @@ def child_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    reason = why_unavailable()
-    if reason:
-        pytest.skip(f"multi-node tests need two network-namespace hosts: {reason}")
-    made = make_hosts(tmp_path_factory.mktemp("hosts"))
-    yield made
-    remove_hosts(made)
+    with namespace_hosts(tmp_path_factory, "multi-node tests") as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

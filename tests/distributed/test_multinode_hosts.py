@@ -7,12 +7,16 @@ Needs root, ``ip`` (iproute2), ``sshd``/``ssh`` (openssh-server/-client); ``.ci/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 SUBNET = "10.250.77"  # only ever assigned inside the namespaces made here
 
@@ -131,3 +135,17 @@ def remove_hosts(hosts: Hosts) -> None:
     _run("ip", "link", "del", f"sw{hosts.tag}v0")  # only exists here if it never moved into a namespace
     for name in hosts.namespaces:
         _run("ip", "netns", "del", name)  # deleting a namespace deletes its veth end, and so the pair
+
+
+@contextlib.contextmanager
+def namespace_hosts(tmp_path_factory: pytest.TempPathFactory, needed_by: str) -> Iterator[Hosts]:
+    """Two hosts for a module's tests, removed afterwards; skips those tests, with the reason, where they
+    cannot be made."""
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(f"{needed_by} need two network-namespace hosts: {reason}")
+    made = make_hosts(tmp_path_factory.mktemp("hosts"))
+    try:
+        yield made
+    finally:
+        remove_hosts(made)
