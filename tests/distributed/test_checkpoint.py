@@ -107,6 +107,27 @@ def test_corrupt_file_is_named(tmp_path):
         run_distributed(_resume, 1, str(tmp_path), configs)
 
 
+def test_checkpoints_with_sha256_checksums_still_load_and_verify(tmp_path):
+    """Manifests written before CRC32 record SHA-256: such a checkpoint loads, and a flipped byte is caught."""
+    from shardwise.checkpoint import layout
+
+    configs = [_config(0, world=1)]
+    expected = run_distributed(_save_then_continue, 1, str(tmp_path), configs)[0]
+    tag = tmp_path / "0" / "global_step4"
+    meta = json.loads((tag / "manifest.json").read_text())
+    entry = meta["files"]["rank0.safetensors"]
+    entry["sha256"] = layout.sha256_of(tag / "rank0.safetensors")
+    del entry["crc32"]
+    (tag / "manifest.json").write_text(json.dumps(meta))
+    resumed = run_distributed(_resume, 1, str(tmp_path), configs)[0]
+    assert resumed[0][-1] == expected[0][1]  # the same 4 losses after the checkpoint
+    data = bytearray((tag / "rank0.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (tag / "rank0.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RankFailure, match="rank0.safetensors: size or checksum differs from the manifest"):
+        run_distributed(_resume, 1, str(tmp_path), configs)
+
+
 def test_missing_and_incompatible_checkpoints(tmp_path):
     configs = [_config(0, world=1)]
     with pytest.raises(RankFailure, match="no 'latest' file"):

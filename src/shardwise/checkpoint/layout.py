@@ -13,6 +13,7 @@ its tensor name. Kinds: "master" (fp32 trainable values), "value" (a frozen para
 from __future__ import annotations
 
 import hashlib
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -57,9 +58,31 @@ def covered(pieces: list[dict], numel: int) -> bool:
     return at >= numel
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
+def _read_blocks(path: Path, chunk: int = 1 << 22) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            digest.update(block)
+            yield block
+
+
+def crc32_of(path: Path) -> str:
+    """The checksum a manifest records: CRC32 catches the corruption a checkpoint meets (truncation, flipped
+    bytes, a half-copied file) at ~3x SHA-256's speed, and verifying it is part of every load."""
+    crc = 0
+    for block in _read_blocks(path):
+        crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def sha256_of(path: Path) -> str:
+    """What manifests recorded before CRC32; still verified when a checkpoint has it."""
+    digest = hashlib.sha256()
+    for block in _read_blocks(path):
+        digest.update(block)
     return digest.hexdigest()
+
+
+def checksum_matches(path: Path, recorded: dict) -> bool:
+    """Whether `path` has the checksum its manifest entry records (CRC32, or SHA-256 in older checkpoints)."""
+    if "crc32" in recorded:
+        return crc32_of(path) == recorded["crc32"]
+    return sha256_of(path) == recorded["sha256"]

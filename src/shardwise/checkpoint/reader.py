@@ -1,6 +1,6 @@
 """Read a checkpoint tag by parameter name and element range, whatever layout wrote it.
 
-Files are opened lazily and verified (size and SHA-256 against the manifest) the first time they
+Files are opened lazily and verified (size and CRC32 against the manifest) the first time they
 are touched; only the requested slices are read (safetensors slicing), so loading streams.
 """
 
@@ -56,7 +56,7 @@ class CheckpointReader:
             expected = self.meta["files"].get(name)
             if expected is None or not path.is_file():
                 raise CheckpointError(f"{path}: missing from the checkpoint.")
-            if self.verify and (path.stat().st_size != expected["bytes"] or layout.sha256_of(path) != expected["sha256"]):
+            if self.verify and (path.stat().st_size != expected["bytes"] or not layout.checksum_matches(path, expected)):
                 raise CheckpointError(f"{path}: size or checksum differs from the manifest; the file is corrupt or truncated.")
             self._open[name] = SafetensorsFile(path)
         return self._open[name]

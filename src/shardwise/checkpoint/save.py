@@ -1,7 +1,7 @@
 """Save an engine's checkpoint: every rank writes the pieces it holds, in parallel, atomically.
 
 [Note: atomic checkpoints] Every rank writes its file into `.<tag>.partial/`, fsyncs it and
-checksums it; rank 0 gathers every file's size and SHA-256 with the piece index into the manifest,
+checksums it; rank 0 gathers every file's size and CRC32 with the piece index into the manifest,
 renames the directory to `<tag>`, and only then replaces `latest` (itself by rename). A job killed at
 any instant leaves the previous tag intact and `latest` naming a complete checkpoint; a leftover
 `.partial` directory is never taken for a checkpoint.
@@ -109,7 +109,7 @@ def _write_and_publish(root: Path, partial: Path, tag: str, meta: dict[str, Any]
     path = partial / layout.rank_file(rank)
     save_file(tensors, str(path), metadata={"rng": meta.pop("rng_json")})
     files.fsync_file(path)
-    entry = (path.name, path.stat().st_size, layout.sha256_of(path), records)
+    entry = (path.name, path.stat().st_size, layout.crc32_of(path), records)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, entry, group=group)
     if rank == 0:
@@ -194,8 +194,8 @@ def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered: list[Any], save_latest: bool) -> None:
     params: dict[str, dict[str, Any]] = {}
     meta["files"] = {}
-    for name, size, sha, records in gathered:
-        meta["files"][name] = {"bytes": size, "sha256": sha}
+    for name, size, crc, records in gathered:
+        meta["files"][name] = {"bytes": size, "crc32": crc}
         for r in records:
             entry = params.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "trainable": r["trainable"],
                                                   "pieces": []})
