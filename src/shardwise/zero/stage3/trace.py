@@ -10,6 +10,8 @@ units in the same order and the collectives line up.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from typing import Iterator
 
@@ -20,11 +22,35 @@ logger = logging.getLogger(__name__)
 Event = tuple[str, int]  # ("forward" | "backward", id of the module)
 
 
+class _Plan:
+    """A recorded pass indexed for the questions asked at every hook: which gatherable units come next, and
+    how far away a unit's next use is. Built once per pass, so each answer is a slice or a bisection rather
+    than a rescan of the rest of the trace (which made a pass quadratic in its number of events)."""
+
+    def __init__(self, events: list[tuple[Event, list[ParamUnit]]]):
+        self.events = [event for event, _ in events]
+        self.start: list[int] = []  # event index -> position of its first unit in the flattened pass
+        self.fetchable_start: list[int] = []  # the same in the list of non-persistent units
+        self.fetchable: list[ParamUnit] = []
+        self.prefix = [0]  # numel of the flattened pass's units before each position
+        self.uses: dict[int, list[int]] = {}  # id(unit) -> its positions, ascending
+        for _, units in events:
+            self.start.append(len(self.prefix) - 1)
+            self.fetchable_start.append(len(self.fetchable))
+            for unit in units:
+                self.uses.setdefault(id(unit), []).append(len(self.prefix) - 1)
+                self.prefix.append(self.prefix[-1] + unit.numel)
+                if not unit.persistent:
+                    self.fetchable.append(unit)
+        self.start.append(len(self.prefix) - 1)
+        self.fetchable_start.append(len(self.fetchable))
+
+
 class ExecutionTrace:
     def __init__(self) -> None:
-        self._traces: dict[bool, list[tuple[Event, list[ParamUnit]]]] = {}
+        self._traces: dict[bool, _Plan] = {}
         self._recording: list[tuple[Event, list[ParamUnit]]] = []
-        self._expected: list[tuple[Event, list[ParamUnit]]] | None = None
+        self._expected: _Plan | None = None
         self._mode = True
         self._cursor = 0
         self._warned = False
@@ -37,14 +63,14 @@ class ExecutionTrace:
 
     def commit(self) -> None:
         if self._recording:
-            self._traces[self._mode] = self._recording
+            self._traces[self._mode] = _Plan(self._recording)
         self._recording = []
 
     def record(self, event: Event, units: list[ParamUnit]) -> None:
         self._recording.append((event, units))
         if self._expected is None:
             return
-        if self._cursor < len(self._expected) and self._expected[self._cursor][0] == event:
+        if self._cursor < len(self._expected.events) and self._expected.events[self._cursor] == event:
             self._cursor += 1
             return
         if not self._warned:
@@ -53,21 +79,19 @@ class ExecutionTrace:
         self._expected = None
 
     def upcoming(self) -> Iterator[ParamUnit]:
-        """Units of the events after the current one, in order (empty when not following a trace)."""
-        if self._expected is None:
-            return
-        for _, units in self._expected[self._cursor :]:
-            yield from units
+        """Non-persistent units of the events after the current one, in order (empty when not following a
+        trace); persistent units are never released, so there is nothing to prefetch for them."""
+        plan = self._expected
+        if plan is None:
+            return iter(())
+        return itertools.islice(plan.fetchable, plan.fetchable_start[self._cursor], None)
 
     def reused_within(self, unit: ParamUnit, distance: int) -> bool:
         """Whether `unit` is needed again before `distance` elements of other units are gathered."""
-        if distance <= 0:
+        plan = self._expected
+        if distance <= 0 or plan is None:
             return False
-        seen = 0
-        for other in self.upcoming():
-            if other is unit:
-                return True
-            seen += other.numel
-            if seen > distance:
-                return False
-        return False
+        here = plan.start[self._cursor]
+        uses = plan.uses.get(id(unit), ())
+        i = bisect.bisect_left(uses, here)
+        return i < len(uses) and plan.prefix[uses[i]] - plan.prefix[here] <= distance

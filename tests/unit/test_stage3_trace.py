@@ -1,0 +1,69 @@
+"""ZeRO-3's execution trace: its indexed answers (upcoming units, reuse distance) equal a plain rescan of the
+recorded pass at every point of a pass, on random traces with repeated and persistent units."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from shardwise.zero.stage3.trace import ExecutionTrace
+
+
+@dataclass(eq=False)
+class FakeUnit:
+    numel: int
+    persistent: bool
+
+
+def rescan_upcoming(events, cursor):
+    return [u for _, units in events[cursor:] for u in units if not u.persistent]
+
+
+def rescan_reused_within(events, cursor, unit, distance):
+    if distance <= 0:
+        return False
+    seen = 0
+    for other in (u for _, units in events[cursor:] for u in units):
+        if other is unit:
+            return True
+        seen += other.numel
+        if seen > distance:
+            return False
+    return False
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_indexed_trace_answers_like_a_rescan(seed):
+    rng = random.Random(seed)
+    units = [FakeUnit(rng.choice([10, 100, 1000]), rng.random() < 0.3) for _ in range(12)]
+    events = [(("forward" if i < 20 else "backward", i), rng.sample(units, rng.randint(0, 3))) for i in range(40)]
+    trace = ExecutionTrace()
+    trace.start_pass(True)
+    for event, used in events:  # the recording pass
+        trace.record(event, used)
+    trace.start_pass(True)  # the next pass follows the recorded one
+    checked = 0
+    for cursor, (event, used) in enumerate(events, start=1):
+        trace.record(event, used)
+        assert list(trace.upcoming()) == rescan_upcoming(events, cursor)
+        for unit in units:
+            for distance in (0, 50, 500, 5000, 10**9):
+                got = trace.reused_within(unit, distance)
+                assert got == rescan_reused_within(events, cursor, unit, distance)
+                checked += got
+    assert checked > 100  # the traces do reuse units within these distances
+
+
+def test_a_diverging_pass_stops_prefetching():
+    a, b = FakeUnit(10, False), FakeUnit(10, False)
+    trace = ExecutionTrace()
+    trace.start_pass(True)
+    trace.record(("forward", 1), [a])
+    trace.record(("forward", 2), [b])
+    trace.start_pass(True)
+    trace.record(("forward", 1), [a])
+    assert list(trace.upcoming()) == [b] and trace.reused_within(b, 100)
+    trace.record(("forward", 3), [b])
+    assert list(trace.upcoming()) == [] and not trace.reused_within(b, 100)
