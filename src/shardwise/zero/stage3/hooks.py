@@ -72,8 +72,8 @@ class Stage3Hooks:
 
     def _prefetch(self) -> None:
         budget = self.prefetch_numel
-        for unit in self.trace.upcoming():
-            if unit.persistent or unit.state.value != "sharded":
+        for unit in self.trace.upcoming():  # never persistent units: they are always gathered
+            if unit.state.value != "sharded":
                 continue
             if unit.numel > budget or self.live.live + unit.numel > self.max_live:
                 return
