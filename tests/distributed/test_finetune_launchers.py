@@ -7,7 +7,6 @@ adapter (the run under `shardwise` is itself checked against a single-process or
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from shardwise.distributed.env import free_port
 from shardwise.launcher import k8s
 from tests.distributed.test_finetune_lora import BUNDLED, model_dirs  # noqa: F401 - model_dirs is a fixture
 from tests.distributed.test_k8s import run_pods
-from tests.distributed.test_multinode import RUN_TIMEOUT_S, child_env, launcher_cmd, ssh_args
+from tests.distributed.test_multinode import RUN_TIMEOUT_S, child_env, launcher_cmd, run_ok, ssh_args
 from tests.distributed.test_multinode_hosts import Hosts, namespace_hosts
 
 pytest.importorskip("peft")
@@ -34,12 +33,6 @@ TRAINING = ["--steps", "3", "--eval_interval", "0", "--save_interval", "0", "--s
 
 def script_args(model_dir: Path, out: Path) -> list[str]:
     return ["--model", str(model_dir), "--output_dir", str(out), "--save_dir", str(out / "checkpoints"), *TRAINING]
-
-
-def run_ok(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result.stdout
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -60,7 +53,7 @@ def llama(model_dirs: dict[str, Path]) -> Path:  # noqa: F811 - the imported fix
 @pytest.fixture(scope="module")
 def under_shardwise(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("shardwise")
-    stdout = run_ok(launcher_cmd(["--num_gpus", "2", str(SCRIPT), *script_args(llama, out)]), out, child_env())
+    stdout = run_ok(launcher_cmd(["--num_gpus", "2", str(SCRIPT), *script_args(llama, out)]), out, child_env()).stdout
     assert "lora fine-tuning" in stdout and (out / "adapter" / "adapter_config.json").exists(), stdout[-3000:]
     trained = adapter(out)
     assert any("lora_B" in name and value.abs().sum() > 0 for name, value in trained.items())  # B starts at zero
