@@ -116,7 +116,7 @@ class ShardedDataParallel:
         pending = []
         for flat, bucket in zip(self.param_flats, self.buckets.buckets):
             lo, hi = bucket.shard
-            pending.append(self.comm.all_gather(flat, flat[lo:hi].clone(), self.group))
+            pending.append(self.comm.all_gather(flat, flat[lo:hi], self.group))
         for p in pending:
             p.wait()
 
