@@ -21,7 +21,7 @@ from ...runtime.strategy import StateSlot, StrategyInputs
 from ..data_parallel import _norm
 from ..grad_buckets import Bucket, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
-from .build import build_unit, plan_units, units_by_module
+from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
 from .unit import LiveParams, ParamUnit
 
@@ -38,9 +38,10 @@ class Stage3:
         self.param_home = make_param_home(zero.offload_param, self.group.rank, inputs.aio)
         self.units: list[ParamUnit] = []
         self.unit_group: dict[int, int] = {}
-        for module_name, group_index, named in plan_units(self.module, inputs.param_groups):
+        plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), zero.stage3_param_persistence_threshold)
+        for module_name, group_index, named, persistent in plans:
             unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm, self.group,
-                              self.live, device, zero.stage3_param_persistence_threshold, trainable=group_index >= 0,
+                              self.live, device, persistent, trainable=group_index >= 0,
                               offload=self.offload, home=self.param_home)
             self.units.append(unit)
             self.unit_group[unit.index] = group_index
