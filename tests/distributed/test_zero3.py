@@ -77,6 +77,24 @@ def test_model_states_are_one_nth_and_traffic_is_three_psi(world):
     assert gathered == 3 * 2 * (psi + frozen)
 
 
+def _persistent_units():
+    # Threshold 200: the biases and the norm (no weight decay) are small; every weight, and the frozen module, is not.
+    engine = _engine(ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 200}))
+    _train(engine, 1)
+    engine.comm.stats.reset()
+    _train(engine, 2)
+    units = engine.strategy.units
+    persistent = sorted((u.master is not None, sorted(u.names)) for u in units if u.persistent)
+    trainable = sum(u.master is not None for u in units)
+    return persistent, trainable, engine.comm.stats.calls("reduce_scatter") // 2
+
+
+def test_small_units_merge_into_one_persistent_unit_per_group():
+    persistent, trainable, scatters_per_step = run_distributed(_persistent_units, 2)[0]
+    assert persistent == [(True, ["hidden.bias", "norm.bias", "norm.weight", "out.bias"])]
+    assert scatters_per_step == trainable  # one reduce-scatter for all of the persistent gradients
+
+
 def _twice():
     class Twice(torch.nn.Module):
         def __init__(self):
