@@ -7,8 +7,9 @@ op, the group and the tensor shape, never a silent hang.
 
 On gloo, the flat all-gather and reduce-scatter are issued as one broadcast / one reduce per rank of
 the group, in place on the rank's slice. Gloo's own flat collectives stage through temporaries: at
-135 MB and 2 ranks its all-gather took 0.11 s against 0.03 s for the broadcasts and its reduce-scatter
-0.14 s against 0.09 s for the reduces, with the same bytes per rank on the wire (benchmarks/README.md).
+135 MB and 2 ranks its all-gather took 0.11 s against 0.035 s for the broadcasts and its reduce-scatter
+0.20 s against 0.15 s for the reduces, with the same bytes per rank on the wire; below ~1M elements the
+two are within noise (benchmarks/gloo_collectives.py).
 Counting and logging still see one all-gather or reduce-scatter.
 """
 
