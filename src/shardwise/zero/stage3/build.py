@@ -46,8 +46,9 @@ def plan_units(module: torch.nn.Module, param_groups: list[dict[str, Any]]) -> l
     return plans
 
 
-def _numel(p: torch.nn.Parameter) -> int:
-    return INIT_SHARD_OF[p].numel if p in INIT_SHARD_OF else p.numel()
+def _shape(p: torch.nn.Parameter) -> torch.Size:
+    """The parameter's whole shape, also when `zero.Init` has already partitioned it."""
+    return INIT_SHARD_OF[p].shape if p in INIT_SHARD_OF else p.shape
 
 
 def coalesce_persistent(plans: list[tuple[str, int, list[tuple[str, torch.nn.Parameter]]]], threshold: int
@@ -60,7 +61,7 @@ def coalesce_persistent(plans: list[tuple[str, int, list[tuple[str, torch.nn.Par
     merged: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
     rest = []
     for module_name, key, named in plans:
-        if sum(_numel(p) for _, p in named) < threshold:
+        if sum(_shape(p).numel() for _, p in named) < threshold:
             merged.setdefault(key, []).extend(named)
         else:
             rest.append((module_name, key, named, False))
@@ -80,7 +81,7 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
                persistent: bool, trainable: bool, offload: Any, home: Any) -> ParamUnit:
     """Fill this rank's slice one parameter at a time (peak: the slice plus one whole parameter)."""
     names, params = [n for n, _ in named], [p for _, p in named]
-    shapes = [INIT_SHARD_OF[p].shape if p in INIT_SHARD_OF else p.shape for p in params]
+    shapes = [_shape(p) for p in params]
     layout: BucketLayout = plan_buckets([s.numel() for s in shapes], _NO_CAP, align=group.size)[0]
     lo, hi = layout.shard_range(group.rank, group.size)
     master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
