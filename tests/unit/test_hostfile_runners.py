@@ -81,6 +81,17 @@ def test_first_failure_is_the_cause_not_its_consequences() -> None:
     assert first_failure([_failure(2, 1, "ValueError: x", 5.0), _failure(0, 1, "KeyError: y", 4.0)]).rank == 0
 
 
+def test_one_node_summary_names_the_killed_rank_not_the_one_the_agent_stopped() -> None:
+    from shardwise.launcher.local import describe_failure
+
+    # The agent's SIGTERM to the survivor can carry an earlier (whole-second) time than the SIGKILL it answers.
+    stopped, killed = _failure(0, -15, time=10.0), _failure(1, -9, time=11.0)
+    assert describe_failure([stopped, killed]) == (
+        "shardwise: rank 1 (local rank 1, pid 101) failed first, with signal 9 (SIGKILL); its traceback is above. "
+        "The job was stopped (other ranks ended with rank 0: signal 15 (SIGTERM)).")
+    assert first_failure([stopped, killed]).exit_code() == 1
+
+
 def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     from shardwise.launcher.cli import main
 

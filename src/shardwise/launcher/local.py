@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed.run as torchrun
-from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils import macros
 
 from shardwise.launcher import bootstrap, watchdog
+from shardwise.launcher.failures import Failure, first_failure, from_child_failed
 from shardwise.launcher.netutil import free_port, port_is_free
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -104,32 +106,21 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     return args
 
 
-def _how_it_ended(failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"signal {-failure.exitcode} ({failure.signal_name()})"
-    return f"exit code {failure.exitcode}"
-
-
-def describe_failure(error: ChildFailedError) -> str:
+def describe_failure(failures: list[Failure]) -> str:
     """A short summary: the rank that failed first (whose traceback the user wants) and how the rest ended.
 
-    Workers' stderr is not redirected, so the failing rank's own traceback is already on our stderr;
-    the elastic agent's long error report (which lacks it unless the script uses ``@record``) is not printed.
+    The first is picked as on several nodes (see [Note: first failure]), not by torch's
+    ``get_first_failure``: that goes by whole-second timestamps, so the rank the agent stopped with SIGTERM
+    can be named instead of the one that died. Workers' stderr is not redirected, so the failing rank's own
+    traceback is already on our stderr; the elastic agent's long error report is not printed.
     """
-    rank, first = error.get_first_failure()
-    others = sorted((r, f) for r, f in error.failures.items() if r != rank)
-    rest = "; ".join(f"rank {r}: {_how_it_ended(f)}" for r, f in others)
+    first = first_failure(failures)
+    rest = "; ".join(f"rank {f.rank}: {f.how()}" for f in sorted(failures, key=lambda f: f.rank) if f is not first)
     return (
-        f"shardwise: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed first, with "
-        f"{_how_it_ended(first)}; its traceback is above. The job was stopped"
+        f"shardwise: rank {first.rank} (local rank {first.local_rank}, pid {first.pid}) failed first, with "
+        f"{first.how()}; its traceback is above. The job was stopped"
         + (f" (other ranks ended with {rest})." if rest else ".")
     )
-
-
-def exit_code_of(error: ChildFailedError) -> int:
-    """The launcher's exit status for a failed job: the failing rank's, or 1 if it died by signal."""
-    code = error.get_first_failure()[1].exitcode
-    return code if 0 < code < 256 else 1
 
 
 def run_agent(plan: LocalLaunch) -> None:
@@ -160,8 +151,9 @@ def launch_local(plan: LocalLaunch) -> int:
     try:
         run_agent(plan)
     except ChildFailedError as error:
-        print(describe_failure(error), file=sys.stderr, flush=True)
-        return exit_code_of(error)
+        failures = from_child_failed(error, socket.gethostname())
+        print(describe_failure(failures), file=sys.stderr, flush=True)
+        return first_failure(failures).exit_code()
     except SignalException as stop:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the workers
         print(f"shardwise: stopped by {stop.sigval.name}; all ranks were stopped.", file=sys.stderr, flush=True)
         return 128 + int(stop.sigval)
