@@ -23,9 +23,12 @@ def _compare_with_gloo(chunk: int) -> None:
     per_rank.reduce_scatter(ours, grads.clone(), group).wait()
     torch.testing.assert_close(ours, theirs)  # the same sum, maybe in another order
     # The result may be asked for in place, in this rank's own chunk of the input.
-    in_place = grads.clone()
-    per_rank.reduce_scatter(in_place[rank * chunk : (rank + 1) * chunk], in_place, group).wait()
-    torch.testing.assert_close(in_place[rank * chunk : (rank + 1) * chunk], theirs)
+    for comm in (per_rank, native):
+        in_place = grads.clone()
+        pending = comm.reduce_scatter(in_place[rank * chunk : (rank + 1) * chunk], in_place, group)
+        pending.wait()
+        assert pending.done()
+        torch.testing.assert_close(in_place[rank * chunk : (rank + 1) * chunk], theirs)
 
     shard = torch.full((chunk,), float(rank + 1)) + torch.arange(chunk)
     expected = torch.empty(world * chunk)
@@ -40,6 +43,7 @@ def _compare_with_gloo(chunk: int) -> None:
         assert torch.equal(own, expected)
     # Counted as one logical collective each, with the flat tensor's elements.
     assert per_rank.stats.calls("all_gather") == 2 and per_rank.stats.calls("reduce_scatter") == 2
+    assert native.stats.calls("reduce_scatter") == 2
     assert per_rank.stats.elements("all_gather") == 2 * world * chunk
 
 

@@ -111,6 +111,10 @@ class Pending:
         self._work, self._describe, self._timeout = work, describe, timeout
         self._completed = completed
 
+    def done(self) -> bool:
+        """Whether the collective has completed (a failed one counts as done: `wait()` raises its error)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         on_done, self._completed = self._completed, None
         if self._work is None:
@@ -134,6 +138,9 @@ class _AllOf:
 
     def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None):
         self._works, self._then = works, then
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
     def wait(self, timeout: datetime.timedelta) -> bool:
         deadline = time.monotonic() + timeout.total_seconds()
@@ -183,12 +190,14 @@ class Collectives:
                            lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor, group: Group) -> Pending:
-        """Sum `input_flat` (group.size equal chunks) across ranks; this rank's chunk lands in `output`.
-        `input_flat` is scratch afterwards: its contents are unspecified."""
+        """Sum `input_flat` (group.size equal chunks) across ranks; this rank's chunk lands in `output`,
+        which may be that chunk itself. `input_flat` is scratch afterwards: its contents are unspecified."""
         if group.size == 1:
             output.copy_(input_flat)
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
+            if input_flat.device.type == "cpu" and output.data_ptr() == input_flat.data_ptr() + group.rank * output.nbytes:
+                input_flat = input_flat.clone()  # gloo's own reduce-scatter does not work in place
             return self._issue("reduce_scatter", group, input_flat,
                                lambda: _reduce_scatter(output, input_flat, group=group.pg, async_op=True))
         chunks = input_flat.view(group.size, -1).unbind(0)

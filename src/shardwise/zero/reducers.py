@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..distributed import Collectives, Group
+from ..distributed.collectives import Pending
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,24 @@ class BucketLike(Protocol):
     shard_grad: torch.Tensor
 
 
+class Reduction:
+    """A launched reduction: `done()` says without waiting whether its collective completed; `finish()`
+    waits for it and leaves the result in the bucket's `shard_grad`."""
+
+    def __init__(self, pending: Pending, then: Callable[[], None]):
+        self._pending, self._then = pending, then
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def finish(self) -> None:
+        self._pending.wait()
+        self._then()
+
+
 class Reducer(Protocol):
-    def launch(self, bucket: BucketLike) -> Callable[[], None]:
-        """Start reducing `bucket.flat`; the returned callable waits and leaves the result in `bucket.shard_grad`."""
+    def launch(self, bucket: BucketLike) -> Reduction:
+        """Start reducing `bucket.flat` (which is scratch until the reduction is finished)."""
         ...
 
 
@@ -56,44 +72,41 @@ class AllReduceMean:
     def __init__(self, comm: Collectives, group: Group, averaging: GradAveraging, reduce_dtype: torch.dtype):
         self.comm, self.group, self.averaging, self.reduce_dtype = comm, group, averaging, reduce_dtype
 
-    def launch(self, bucket: BucketLike) -> Callable[[], None]:
+    def launch(self, bucket: BucketLike) -> Reduction:
         flat = bucket.flat
         wire = _on_wire(flat, self.averaging.before, self.reduce_dtype)
-        pending = self.comm.all_reduce(wire, self.group)
 
-        def finish() -> None:
-            pending.wait()
+        def then() -> None:
             if wire is not flat:
                 flat.copy_(wire)
             if self.averaging.after != 1.0:
                 flat.mul_(self.averaging.after)
 
-        return finish
+        return Reduction(self.comm.all_reduce(wire, self.group), then)
 
 
 class ReduceScatterMean:
-    """Reduce-scatter into the owner's slice. `accumulate` (stage 2) adds into a persistent shard and
-    frees the bucket's full buffer; otherwise (stage 1) the slice is overwritten with the result."""
+    """Reduce-scatter in place (this rank's chunk of the wire buffer receives the sum), then into the
+    owner's slice: `accumulate` (stages 2, 3) adds into a persistent shard; otherwise (stage 1) the
+    slice is overwritten with the result."""
 
     def __init__(self, comm: Collectives, group: Group, averaging: GradAveraging, reduce_dtype: torch.dtype,
                  accumulate: bool):
         self.comm, self.group, self.averaging, self.reduce_dtype = comm, group, averaging, reduce_dtype
         self.accumulate = accumulate
 
-    def launch(self, bucket: BucketLike) -> Callable[[], None]:
+    def launch(self, bucket: BucketLike) -> Reduction:
         wire = _on_wire(bucket.flat, self.averaging.before, self.reduce_dtype)
-        out = torch.empty(wire.numel() // self.group.size, dtype=wire.dtype, device=wire.device)
-        pending = self.comm.reduce_scatter(out, wire, self.group)
+        out = wire.view(self.group.size, -1)[self.group.rank]
 
-        def finish() -> None:
-            pending.wait()
+        def then() -> None:
             target = bucket.shard_grad
             if self.accumulate:
                 target.add_(out, alpha=self.averaging.after)
-                bucket.flat = None  # the full gradient is no longer needed: free it now
-            else:
+                return
+            if target.data_ptr() != out.data_ptr():  # stage 1 in the wire dtype: `out` already is the slice
                 target.copy_(out)
-                if self.averaging.after != 1.0:
-                    target.mul_(self.averaging.after)
+            if self.averaging.after != 1.0:
+                target.mul_(self.averaging.after)
 
-        return finish
+        return Reduction(self.comm.reduce_scatter(out, wire, self.group), then)

@@ -1,0 +1,83 @@
+"""Partitioned gradient buckets: full buffers come from a pool, and go back as soon as their reduction completes."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.zero.flat_param import plan_buckets
+from shardwise.zero.grad_buckets import Bucket, FlatPool, GradBuckets
+from shardwise.zero.reducers import Reduction
+
+
+def test_pool_reuses_a_buffer_best_fit_and_zeroed() -> None:
+    pool = FlatPool()
+    small, large = pool.take(4, torch.float32, torch.device("cpu")), pool.take(8, torch.float32, torch.device("cpu"))
+    small.fill_(1.0)
+    large.fill_(1.0)
+    pool.give(large)
+    pool.give(small)
+    again = pool.take(3, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == small.data_ptr() and again.numel() == 3 and not again.any()
+    assert pool.take(8, torch.bfloat16, torch.device("cpu")).data_ptr() != large.data_ptr()  # dtype must match
+    pool.give(again)
+    assert pool.take(4, torch.float32, torch.device("cpu")).data_ptr() == small.data_ptr()  # a view gives back its base
+
+
+def test_pool_keeps_nothing_off_cpu() -> None:
+    pool = FlatPool()
+    pool.give(torch.empty(4, device="meta"))
+    assert pool._free == []
+
+
+class FakeReducer:
+    """Sums nothing; its reductions report done as `completes_at_once` says, and record when they finish."""
+
+    def __init__(self, completes_at_once: bool):
+        self.completes_at_once = completes_at_once
+        self.finished: list[int] = []
+
+    def launch(self, bucket: Bucket) -> Reduction:
+        reducer = self
+
+        class _Pending:
+            def done(self) -> bool:
+                return reducer.completes_at_once
+
+            def wait(self) -> None:
+                pass
+
+        return Reduction(_Pending(), lambda: self.finished.append(bucket.flat.data_ptr()))
+
+
+def _three_buckets(completes_at_once: bool) -> tuple[torch.nn.Sequential, GradBuckets, FakeReducer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(3)))
+    params = list(reversed(list(model.parameters())))  # gradient arrival order
+    buckets = [Bucket(layout, [p], torch.float32, (0, layout.padded_numel), partitioned=True)
+               for layout, p in zip(plan_buckets([p.numel() for p in params], 16), params)]
+    reducer = FakeReducer(completes_at_once)
+    return model, GradBuckets(buckets, reducer, overlap=True), reducer
+
+
+def _backward(model: torch.nn.Sequential, buckets: GradBuckets) -> None:
+    buckets.begin(reduce=True)
+    model(torch.ones(2, 4)).sum().backward()
+    buckets.finish()
+
+
+def test_a_completed_reduction_frees_its_buffer_for_the_next_bucket_during_backward() -> None:
+    model, buckets, reducer = _three_buckets(completes_at_once=True)
+    _backward(model, buckets)
+    assert len(set(reducer.finished)) == 1  # one buffer served all three buckets in turn
+    assert all(b.flat is None for b in buckets.buckets)
+    _backward(model, buckets)
+    assert set(reducer.finished) == {reducer.finished[0]}  # and the next step, without a new allocation
+
+
+def test_buffers_in_flight_at_once_are_distinct_and_kept_for_the_next_step() -> None:
+    model, buckets, reducer = _three_buckets(completes_at_once=False)
+    _backward(model, buckets)
+    first = list(reducer.finished)
+    assert len(set(first)) == 3
+    _backward(model, buckets)
+    assert set(reducer.finished[3:]) == set(first)
