@@ -160,6 +160,23 @@ def test_live_parameters_never_exceed_the_cap():
     assert peak_capped <= cap < peak_free  # prefetching stops at the cap; without it everything is gathered
 
 
+def _prefetch_peak(prefetch):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8)))  # 8 units of 272 elements
+    zero = {**EAGER, "stage3_prefetch_bucket_size": prefetch}
+    engine, *_ = shardwise.initialize(model=layers, model_parameters=layers.parameters(),
+                                      config=ds_config(2, 1, zero_optimization=zero))
+    for _ in range(3):  # the first step records the order; the later ones prefetch by it
+        engine.backward(engine(torch.randn(2, 16)).square().mean())
+        engine.step()
+    return engine.strategy.live.peak
+
+
+def test_prefetching_stays_within_the_prefetch_bucket():
+    # Two units ahead, plus the one in use; before the fix every hook fetched two more, so all 8 were gathered.
+    assert run_distributed(_prefetch_peak, 2, 2 * 272)[0] == 3 * 272
+
+
 def _gathered():
     engine = _engine(ds_config(2, 1, zero_optimization=EAGER))
     weight = engine.module.hidden.weight

@@ -71,14 +71,21 @@ class Stage3Hooks:
             unit.wait()
 
     def _prefetch(self) -> None:
-        budget = self.prefetch_numel
+        """Keep the next `prefetch_numel` elements of upcoming units gathered or in flight. Units fetched
+        ahead by earlier hooks count against it too: otherwise the window slides forward at every hook
+        and the whole model ends up gathered."""
+        budget, counted = self.prefetch_numel, set()
         for unit in self.trace.upcoming():  # never persistent units: they are always gathered
-            if unit.state.value != "sharded":
+            if id(unit) in counted:
                 continue
-            if unit.numel > budget or self.live.live + unit.numel > self.max_live:
+            counted.add(id(unit))
+            if unit.numel > budget:
                 return
             budget -= unit.numel
-            unit.gather_async()
+            if unit.state.value == "sharded":
+                if self.live.live + unit.numel > self.max_live:
+                    return
+                unit.gather_async()
 
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         if module is self.root:
