@@ -27,6 +27,7 @@ Prints the JSON and writes benchmarks/results/zero_stages.json (see benchmarks/R
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="timed steps after --warmup; 0: per preset (demo 3+10, bench33m and bench100m 1+3)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, order reversed every other round")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--zero", type=json.loads, default=None, metavar="JSON",
+                        help="zero_optimization keys set for shardwise and DeepSpeed alike (FSDP2, DDP: unchanged)")
     parser.add_argument("--out", default=str(RESULTS / "zero_stages.json"))
     args = parser.parse_args(argv)
 
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "micro_batch": args.micro_batch, "threads_per_rank": args.threads, "rounds": args.rounds,
                   "steps": {p: (args.warmup, args.steps) if args.steps else STEPS.get(p) for p in args.presets.split(",")},
                   "optimizer": {"type": "AdamW", **ADAMW}, "gradient_clipping": 0.0,
-                  "stage3_param_persistence_threshold": PERSISTENCE, **environment()},
+                  "stage3_param_persistence_threshold": PERSISTENCE, "zero_overrides": args.zero, **environment()},
         "presets": {},
     }
     for preset_name in args.presets.split(","):
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for round_index in range(args.rounds):
             for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
                 started = time.perf_counter()
-                runs[kind].append(run_config(kind, args, preset_name))
+                runs[kind].append(run_config(kind, args, preset_name, args.zero))
                 last = runs[kind][-1]
                 shown = last.get("error") or (statistics.median(last["step_times_s"]) if "step_times_s" in last
                                               else statistics.median(last["sharded"]["step_times_s"]))
