@@ -54,8 +54,10 @@ class ExecutionTrace:
         self._mode = True
         self._cursor = 0
         self._warned = False
+        self.passes = 0
 
     def start_pass(self, grad_enabled: bool) -> None:
+        self.passes += 1
         self.commit()
         self._mode = grad_enabled
         self._expected = self._traces.get(grad_enabled)

@@ -34,6 +34,7 @@ class LiveParams:
     live: int = 0
     peak: int = 0
     gathers: int = 0
+    releases: int = 0
 
     def add(self, numel: int) -> None:
         self.live += numel
@@ -130,3 +131,4 @@ class ParamUnit:
         self.users = 0
         if not self.persistent:
             self.live.live -= self.numel
+            self.live.releases += 1
