@@ -133,6 +133,11 @@ class Pending:
             on_done()
 
 
+def _own_chunk(part: torch.Tensor, flat: torch.Tensor, group: Group) -> bool:
+    """Whether `part` is this rank's chunk of `flat` (the collective then works in place)."""
+    return part.data_ptr() == flat.data_ptr() + group.rank * part.nbytes
+
+
 class _AllOf:
     """Several works that together are one collective; `then` runs once all have completed."""
 
@@ -196,7 +201,7 @@ class Collectives:
             output.copy_(input_flat)
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
-            if input_flat.device.type == "cpu" and output.data_ptr() == input_flat.data_ptr() + group.rank * output.nbytes:
+            if input_flat.device.type == "cpu" and _own_chunk(output, input_flat, group):
                 input_flat = input_flat.clone()  # gloo's own reduce-scatter does not work in place
             return self._issue("reduce_scatter", group, input_flat,
                                lambda: _reduce_scatter(output, input_flat, group=group.pg, async_op=True))
@@ -205,7 +210,7 @@ class Collectives:
         def per_rank() -> _AllOf:
             works = [dist.reduce(chunk, dst=r, group=group.pg, async_op=True) for chunk, r in zip(chunks, ranks)]
             mine = chunks[group.rank]
-            return _AllOf(works, None if mine.data_ptr() == output.data_ptr() else lambda: output.copy_(mine))
+            return _AllOf(works, None if _own_chunk(output, input_flat, group) else lambda: output.copy_(mine))
 
         return self._issue("reduce_scatter", group, input_flat, per_rank)
 
@@ -215,14 +220,14 @@ class Collectives:
             output_flat.copy_(shard)
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
-            if shard.device.type == "cpu" and shard.data_ptr() == output_flat.data_ptr() + group.rank * shard.nbytes:
+            if shard.device.type == "cpu" and _own_chunk(shard, output_flat, group):
                 shard = shard.clone()  # gloo copies the input into the output: not in place
             return self._issue("all_gather", group, output_flat,
                                lambda: _all_gather(output_flat, shard, group=group.pg, async_op=True))
         chunks = output_flat.view(group.size, -1).unbind(0)
 
         def per_rank() -> _AllOf:
-            if chunks[group.rank].data_ptr() != shard.data_ptr():
+            if not _own_chunk(shard, output_flat, group):
                 chunks[group.rank].copy_(shard)
             return _AllOf([dist.broadcast(chunk, src=r, group=group.pg, async_op=True) for chunk, r in zip(chunks, ranks)])
 
