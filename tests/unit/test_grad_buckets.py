@@ -5,8 +5,23 @@ from __future__ import annotations
 import torch
 
 from shardwise.zero.flat_param import plan_buckets
-from shardwise.zero.grad_buckets import Bucket, FlatPool, GradBuckets
+from shardwise.zero.grad_buckets import OVERLAP_BUCKET_BYTES, Bucket, FlatPool, GradBuckets, bucket_numel
 from shardwise.zero.reducers import Reduction
+
+
+def test_bucket_size_is_the_configured_limit_capped_for_overlap() -> None:
+    assert bucket_numel(1000, torch.float32) == 1000
+    assert bucket_numel(500_000_000, torch.float32) == OVERLAP_BUCKET_BYTES // 4
+    assert bucket_numel(500_000_000, torch.bfloat16) == OVERLAP_BUCKET_BYTES // 2
+
+
+def test_deepspeeds_default_bucket_size_still_splits_a_model_larger_than_the_cap() -> None:
+    cap = OVERLAP_BUCKET_BYTES // 4
+    params = [torch.nn.Parameter(torch.empty(cap // 2)) for _ in range(5)]
+    buckets = GradBuckets.replicated(params, 500_000_000, torch.float32, FakeReducer(True))
+    assert [len(b.params) for b in buckets.buckets] == [2, 2, 1]
+    assert buckets.buckets[0].params[0] is params[-1]  # backward order: the last parameter's bucket fills first
+    buckets.remove_hooks()
 
 
 def test_pool_reuses_a_buffer_best_fit_and_zeroed() -> None:

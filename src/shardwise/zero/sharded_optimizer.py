@@ -13,7 +13,7 @@ micro-step during backward (see `grad_buckets.py`, partitioned mode).
 Options DeepSpeed has that are no-ops here, and why: `contiguous_gradients` (gradients always go
 into contiguous buckets), `reduce_scatter` (always on: half the bytes of an all-reduce),
 `allgather_partitions` (always one all-gather per bucket), `allgather_bucket_size` (the all-gather
-runs per reduce bucket, so `reduce_bucket_size` bounds both), `round_robin_gradients` (an ordering
+runs per reduce bucket, so `reduce_bucket_size`, capped at 25 MiB for overlap, bounds both), `round_robin_gradients` (an ordering
 aid for CPU offload), `elastic_checkpoint` (checkpoints are saved by parameter name).
 """
 
@@ -28,7 +28,7 @@ from ..offload import make_optimizer_offload
 from ..runtime.strategy import StateSlot, StrategyInputs
 from .data_parallel import _norm, trainable_parameters
 from .flat_param import BucketLayout, plan_buckets
-from .grad_buckets import Bucket, GradBuckets
+from .grad_buckets import Bucket, GradBuckets, bucket_numel
 from .reducers import GradAveraging, ReduceScatterMean
 
 
@@ -43,7 +43,8 @@ class ShardedDataParallel:
         for index, params in enumerate(groups):
             ordered = list(reversed(params))  # gradient arrival order: first bucket fills first
             start = 0
-            for layout in plan_buckets([p.numel() for p in ordered], inputs.zero.reduce_bucket_size, self.group.size):
+            cap = bucket_numel(inputs.zero.reduce_bucket_size, self.precision.grad_accum_dtype)
+            for layout in plan_buckets([p.numel() for p in ordered], cap, self.group.size):
                 members = ordered[start : start + len(layout.slots)]
                 start += len(members)
                 shard = layout.shard_range(self.group.rank, self.group.size)
