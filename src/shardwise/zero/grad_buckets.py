@@ -33,9 +33,10 @@ from .reducers import Reducer, Reduction
 
 OVERLAP_BUCKET_BYTES = 25 * 2**20
 """The largest bucket, whatever `reduce_bucket_size` allows: PyTorch DDP's default bucket, which is large
-enough for the bus to run at full rate yet lets reductions start early in backward. On the 33.7M-parameter
-bench GPT (CPU, 2 ranks, `benchmarks/zero_stages.py`) it took stages 0/1/2 from 1.07/1.11/1.10x the compute
-floor to 1.00/1.05/1.04x, and stage 2's peak RSS down by 77 MiB."""
+enough for the bus to run at full rate yet lets reductions start early in backward. In an A/B on the
+33.7M-parameter bench GPT (CPU, 2 ranks, `benchmarks/zero_stages.py`, 2 rounds x 4 steps, a noisy VM) stages
+0/1/2 went from 1.07/1.11/1.10x a one-process compute floor to 1.00/1.05/1.04x, and stage 2's peak RSS fell
+by 77 MiB."""
 
 
 def bucket_numel(reduce_bucket_size: int, dtype: torch.dtype) -> int:
