@@ -10,10 +10,13 @@ no gradient clipping (set explicitly: DeepSpeed's default is 1.0), no accumulati
 | deepspeed-S | `deepspeed.initialize` 0.19, stage S (1-3), the same config (its CPU FusedAdam op) |
 | ddp | `DistributedDataParallel` + `torch.optim.AdamW(fused=True)` |
 | fsdp2 | `fully_shard` on every block, then on the root, + `torch.optim.AdamW` (fused) over the DTensors |
-| floor | ONE process, same thread count, no process group: forward + backward of one rank's micro-batch, then AdamW over all parameters (the floor of DDP and stage 0) and, timed apart, AdamW over one flat tensor of 1/world of the elements (the floor of stages 1-3 and FSDP2, which step only their shard) |
+| floor | `world` processes at once, same thread count, no communication in the timed steps (an untimed barrier starts each step together): forward + backward of one rank's micro-batch, then AdamW over all parameters (`floor-full`: the floor of DDP and stage 0) and, timed apart, AdamW over one flat tensor of 1/world of the elements (`floor-sharded`: the floor of stages 1-3 and FSDP2, which step only their shard); the slower rank's time per step, as for the libraries |
+| floor-alone | the same work in ONE process with the machine to itself (reference: the floor of earlier results, before the ranks' sharing of cores, caches and memory bandwidth was counted) |
 
 Every configuration runs in its own freshly spawned processes; `--rounds` repeats all of them, in
-reversed order every other round. Per step the slower rank's wall time counts (forward + backward +
+reversed order every other round. Ratios come as medians pooled over all rounds and as `paired`: the median
+over rounds of the two configurations' ratio within one round, which cancels the machine's drift between
+rounds. Per step the slower rank's wall time counts (forward + backward +
 step), and its CPU time (all threads of the process). Model-state bytes per rank for shardwise:
 `shardwise.zero.measured_bytes(engine.strategy)` against `shardwise.zero.formula_bytes`.
 
@@ -53,7 +56,7 @@ from _harness import (
 )
 
 WORLD = 2
-CONFIGS = ("floor", "shardwise-0", "shardwise-1", "shardwise-2", "shardwise-3", "deepspeed-1", "deepspeed-2",
+CONFIGS = ("floor", "floor-alone", "shardwise-0", "shardwise-1", "shardwise-2", "shardwise-3", "deepspeed-1", "deepspeed-2",
            "deepspeed-3", "ddp", "fsdp2")
 # (warm-up, timed) steps per preset: keeps the default run near five minutes on two cores
 STEPS = {"demo": (3, 10), "bench33m": (1, 3), "bench100m": (1, 3)}
@@ -90,7 +93,8 @@ def _build(kind: str, model: Any, micro: int, zero_extra: dict[str, Any] | None)
     import torch.distributed as dist
 
     if kind in ("ddp", "fsdp2"):
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():  # zero_interleaved.py builds several configurations in one process
+            dist.init_process_group("gloo")
         if kind == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
         else:
@@ -174,11 +178,18 @@ def _rank_main(rank: int, kind: str, preset_name: str, seq_len: int, micro: int,
 
 
 def _floor_main(rank: int, preset_name: str, seq_len: int, micro: int, warmup: int, steps: int,
-                threads: int) -> dict[str, Any]:
-    """One process, no process group: the work one rank must do whatever the library."""
+                threads: int, lockstep: bool) -> dict[str, Any]:
+    """The work one rank must do whatever the library, with no communication inside the timed steps.
+
+    With `lockstep` every rank of the world runs it at once (as the libraries' ranks share the machine's cores,
+    caches and memory bandwidth) and an untimed barrier starts each step together; without it one process runs
+    alone on the machine."""
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    if lockstep:
+        dist.init_process_group("gloo")
     from examples.demo.model import GPT, preset
 
     rss_after_import = rss_mib()
@@ -199,6 +210,8 @@ def _floor_main(rank: int, preset_name: str, seq_len: int, micro: int, warmup: i
         cpu_parts[key].append(time.process_time() - cpu_start)
 
     for x, y in token_batches(model.cfg.vocab_size, micro, seq_len, warmup + steps, rank):
+        if lockstep:
+            dist.barrier()
         timed("fwd_bwd", lambda x=x, y=y: model(x, y).backward())
         timed("adam_full", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
         timed("adam_shard", shard_opt.step)
@@ -218,41 +231,53 @@ def run_config(kind: str, args: argparse.Namespace, preset_name: str,
                zero_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     warmup, steps = (args.warmup, args.steps) if args.steps else STEPS.get(preset_name, (2, 5))
     common = (preset_name, args.seq_len, args.micro_batch, warmup, steps, args.threads)
-    if kind == "floor":
-        result = spawn(_floor_main, 1, common, args.timeout)
+    if kind in ("floor", "floor-alone"):
+        lockstep = kind == "floor"
+        result = spawn(_floor_main, WORLD if lockstep else 1, (*common, lockstep), args.timeout)
         if isinstance(result, dict):
             return result
         r = result[0]
-        shared = {"peak_rss_mib_per_rank": [r["peak_rss_mib"]], "rss_mib_after_import": [r["rss_mib_after_import"]],
-                  "parts_s_median": r["parts_s_median"], "parts_cpu_s_median": r["parts_cpu_s_median"],
+        shared = {"parts_s_median": r["parts_s_median"], "parts_cpu_s_median": r["parts_cpu_s_median"],
                   "threads": r["threads"], "parameters": r["parameters"], "optimizer": r["optimizer"]}
-        return {"full": {**r["full"], **shared}, "sharded": {**r["sharded"], **shared}}
+        return {part: merge_ranks([{**rank[part], "peak_rss_mib": rank["peak_rss_mib"],
+                                    "rss_mib_after_import": rank["rss_mib_after_import"]} for rank in result]) | shared
+                for part in ("full", "sharded")}
     result = spawn(_rank_main, WORLD, (kind, *common, zero_extra), args.timeout)
     if isinstance(result, dict):
         return result
     return merge_ranks(result, EXTRA) | {"model_state_per_rank": [r.get("model_state") for r in result]}
 
 
+def _paired(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    """Median over rounds of a's median / b's median in the same round: drift of the machine between rounds
+    moves both, so it cancels, where the ratio of medians pooled over all rounds keeps it."""
+    key = "step_time_s_median_per_round"
+    if not isinstance(a, dict) or not isinstance(b, dict) or key not in a or key not in b:
+        return None
+    return round(statistics.median(x / y for x, y in zip(a[key], b[key])), 3)
+
+
 def compare(rows: dict[str, Any]) -> dict[str, Any]:
     """The ratios the brief asks for, each against its target."""
     ok = {k: v for k, v in rows.items() if isinstance(v, dict) and "error" not in v}
     metrics = {"median": "step_time_s_median", "fastest": "step_time_s_min", "cpu": "cpu_time_s_median"}
+    floor_of = {0: "floor-full", 1: "floor-sharded", 2: "floor-sharded", 3: "floor-sharded"}
+    targets = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
+    targets += [(f"shardwise-{s}", floor, 1.10 if s == 3 else 1.05) for s, floor in floor_of.items()]
+    targets += [("shardwise-3", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
+    references = [("ddp", "floor-full"), ("fsdp2", "floor-sharded")]
+    references += [(f"deepspeed-{s}", "floor-sharded") for s in (1, 2, 3)]
+    references += [(f"shardwise-{s}", floor.replace("floor", "floor-alone")) for s, floor in floor_of.items()]
+    references += [(floor, floor.replace("floor", "floor-alone")) for floor in ("floor-full", "floor-sharded")]
     out: dict[str, Any] = {}
-    for s in (1, 2, 3):
+    for a, b, target in targets:
         for name, key in metrics.items():
-            out[f"shardwise-{s}/deepspeed-{s} {name}"] = verdict(ratio(ok.get(f"shardwise-{s}"), ok.get(f"deepspeed-{s}"), key), 0.9)
-    floors = {0: "floor-full", 1: "floor-sharded", 2: "floor-sharded", 3: "floor-sharded"}
-    for s, floor in floors.items():
+            out[f"{a}/{b} {name}"] = verdict(ratio(ok.get(a), ok.get(b), key), target)
+        out[f"{a}/{b} paired"] = verdict(_paired(ok.get(a), ok.get(b)), target)
+    for a, b in references:
         for name, key in metrics.items():
-            target = 1.10 if s == 3 else 1.05
-            out[f"shardwise-{s}/{floor} {name}"] = verdict(ratio(ok.get(f"shardwise-{s}"), ok.get(floor), key), target)
-    for other, floor in (("ddp", "floor-full"), ("fsdp2", "floor-sharded"), ("deepspeed-1", "floor-sharded"),
-                         ("deepspeed-2", "floor-sharded"), ("deepspeed-3", "floor-sharded")):
-        for name, key in metrics.items():
-            out[f"{other}/{floor} {name} (reference)"] = ratio(ok.get(other), ok.get(floor), key)
-    for name, key in metrics.items():
-        out[f"shardwise-3/fsdp2 {name}"] = verdict(ratio(ok.get("shardwise-3"), ok.get("fsdp2"), key), 1.0)
-        out[f"shardwise-0/ddp {name}"] = verdict(ratio(ok.get("shardwise-0"), ok.get("ddp"), key), 1.05)
+            out[f"{a}/{b} {name} (reference)"] = ratio(ok.get(a), ok.get(b), key)
+        out[f"{a}/{b} paired (reference)"] = _paired(ok.get(a), ok.get(b))
     for s in (0, 1, 2, 3):
         for other in ("ddp", "fsdp2", f"deepspeed-{s}"):
             for key, label in (("peak_rss_mib_per_rank", "peak RSS"), ("rss_growth_mib_per_rank", "RSS growth")):
@@ -303,10 +328,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log(f"[{preset_name} round {round_index}] {kind}: {shown} ({time.perf_counter() - started:.0f} s)")
         rows: dict[str, Any] = {}
         for kind, kind_runs in runs.items():
-            if kind == "floor":
+            if kind.startswith("floor"):
                 for part in ("full", "sharded"):
                     pieces = [r.get(part, r) for r in kind_runs]
-                    rows[f"floor-{part}"] = pool_steps(pieces, ("parts_s_median", "parts_cpu_s_median", "threads",
+                    rows[f"{kind}-{part}"] = pool_steps(pieces, ("parts_s_median", "parts_cpu_s_median", "threads",
                                                                 "parameters", "optimizer"))
             else:
                 rows[kind] = pool_steps(kind_runs, ("threads", "parameters", "optimizer", "model_state_per_rank"))
