@@ -21,6 +21,7 @@ Prints the JSON and writes benchmarks/results/zero_interleaved.json (see benchma
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12, help="timed steps of every configuration")
     parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--zero", type=__import__("json").loads, default=None, metavar="JSON",
+    parser.add_argument("--zero", type=json.loads, default=None, metavar="JSON",
                         help="zero_optimization keys set for shardwise and DeepSpeed alike")
     parser.add_argument("--out", default=str(RESULTS / "zero_interleaved.json"))
     args = parser.parse_args(argv)
