@@ -21,7 +21,6 @@ Prints the JSON and writes benchmarks/results/zero_interleaved.json (see benchma
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import LoadSampler, environment, has_deepspeed, log, spawn, token_batches, verdict, write_report
-from zero_stages import ADAMW, CONFIGS, PERSISTENCE, RESULTS, WORLD, _build, _torch_adamw
+from _harness import LoadSampler, has_deepspeed, log, spawn, token_batches, verdict, write_report
+from zero_stages import CONFIGS, RESULTS, WORLD, _build, _torch_adamw, add_setup_args, setup_of
 
 TARGETS = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
 TARGETS += [("shardwise-0", "floor-full", 1.05)] + [(f"shardwise-{s}", "floor-sharded", 1.05) for s in (1, 2)]
@@ -128,14 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--preset", default="bench33m", help="a preset of examples/demo/model.py")
     parser.add_argument("--configs", default=",".join(CONFIGS).replace(",floor-alone", ""),
                         help="floor and any of " + ",".join(c for c in CONFIGS if not c.startswith("floor")))
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--warmup", type=int, default=2)
+    add_setup_args(parser)
     parser.add_argument("--steps", type=int, default=12, help="timed steps of every configuration")
     parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--zero", type=json.loads, default=None, metavar="JSON",
-                        help="zero_optimization keys set for shardwise and DeepSpeed alike")
     parser.add_argument("--out", default=str(RESULTS / "zero_interleaved.json"))
     args = parser.parse_args(argv)
 
@@ -147,11 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"[{args.preset}] {len(kinds)} configurations interleaved: {time.perf_counter() - started:.0f} s")
     report: dict[str, Any] = {
         "benchmark": "zero_interleaved",
-        "setup": {"world_size": WORLD, "device": "cpu", "backend": "gloo", "preset": args.preset, "seq_len": args.seq_len,
-                  "micro_batch": args.micro_batch, "threads_per_rank": args.threads, "warmup": args.warmup,
-                  "steps": args.steps, "configs": kinds, "optimizer": {"type": "AdamW", **ADAMW},
-                  "gradient_clipping": 0.0, "stage3_param_persistence_threshold": PERSISTENCE,
-                  "zero_overrides": args.zero, **environment()},
+        "setup": {**setup_of(args), "preset": args.preset, "warmup": args.warmup, "steps": args.steps,
+                  "configs": kinds},
         "results": result if isinstance(result, dict) else summarize(_series(result)),
     }
     report["setup"]["load_average"] = load.summary()

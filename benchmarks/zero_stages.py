@@ -287,20 +287,33 @@ def compare(rows: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="demo,bench33m", help="comma-separated presets of examples/demo/model.py")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
+def add_setup_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the setup this script and zero_interleaved.py share."""
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (and for the floor)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--zero", type=json.loads, default=None, metavar="JSON",
+                        help="zero_optimization keys set for shardwise and DeepSpeed alike (FSDP2, DDP: unchanged)")
+
+
+def setup_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared setup as the report records it."""
+    return {"world_size": WORLD, "device": "cpu", "backend": "gloo", "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch, "threads_per_rank": args.threads, "optimizer": {"type": "AdamW", **ADAMW},
+            "gradient_clipping": 0.0, "stage3_param_persistence_threshold": PERSISTENCE,
+            "zero_overrides": args.zero, **environment()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="demo,bench33m", help="comma-separated presets of examples/demo/model.py")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))
+    add_setup_args(parser)
     parser.add_argument("--steps", type=int, default=0,
                         help="timed steps after --warmup; 0: per preset (demo 3+10, bench33m and bench100m 1+3)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, order reversed every other round")
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--zero", type=json.loads, default=None, metavar="JSON",
-                        help="zero_optimization keys set for shardwise and DeepSpeed alike (FSDP2, DDP: unchanged)")
     parser.add_argument("--out", default=str(RESULTS / "zero_stages.json"))
     args = parser.parse_args(argv)
 
@@ -308,11 +321,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with_ds = has_deepspeed()
     report: dict[str, Any] = {
         "benchmark": "zero_stages",
-        "setup": {"world_size": WORLD, "device": "cpu", "backend": "gloo", "seq_len": args.seq_len,
-                  "micro_batch": args.micro_batch, "threads_per_rank": args.threads, "rounds": args.rounds,
-                  "steps": {p: (args.warmup, args.steps) if args.steps else STEPS.get(p) for p in args.presets.split(",")},
-                  "optimizer": {"type": "AdamW", **ADAMW}, "gradient_clipping": 0.0,
-                  "stage3_param_persistence_threshold": PERSISTENCE, "zero_overrides": args.zero, **environment()},
+        "setup": {**setup_of(args), "rounds": args.rounds,
+                  "steps": {p: (args.warmup, args.steps) if args.steps else STEPS.get(p) for p in args.presets.split(",")}},
         "presets": {},
     }
     for preset_name in args.presets.split(","):
