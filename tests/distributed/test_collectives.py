@@ -1,4 +1,5 @@
-"""The choke point's gloo path (one broadcast / reduce per rank) against gloo's own flat collectives."""
+"""The choke point's gloo path (one broadcast / reduce per rank) against gloo's own flat collectives
+(shared memory off: `test_shm_collectives.py` covers that path)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _compare_with_gloo(chunk: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = Group("data", dist.group.WORLD, world, rank)
-    per_rank, native = Collectives(), Collectives(per_rank_on_gloo=False)
+    per_rank, native = Collectives(shm=False), Collectives(shm=False, per_rank_on_gloo=False)
     torch.manual_seed(rank)
     grads = torch.randn(world * chunk)
 

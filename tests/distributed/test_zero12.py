@@ -31,8 +31,10 @@ def _sweep(micro, accum):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fp32_matches_oracle(world):
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "shm"), (4, "shm"), (2, "gloo")])
+def test_fp32_matches_oracle(world, transport, monkeypatch):
+    # Same-host ranks talk through shared memory unless it is turned off; over gloo, as across hosts.
+    monkeypatch.setenv("SHARDWISE_SHM_COLLECTIVES", "1" if transport == "shm" else "0")
     micro, accum = 2, 2
     per_rank = run_distributed(_sweep, world, micro, accum, timeout=300)
     for (stage, optimizer, clip, bucket), (losses, params, n_buckets) in zip(SWEEP, per_rank[0]):

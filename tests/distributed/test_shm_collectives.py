@@ -1,0 +1,142 @@
+"""Shared-memory collectives (`distributed/shm.py`) against gloo's, and how they fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.distributed import Collectives, CollectiveError, CollectiveTimeout
+from shardwise.distributed import shm
+from shardwise.distributed.topology import Group
+from tests.harness import run_distributed
+
+# A region of 1 KiB splits every collective below into many uneven pieces.
+SMALL_REGION = 1024
+
+
+def _setup(region_bytes: int) -> tuple[Group, Collectives, Collectives]:
+    dist.init_process_group("gloo")
+    shm.REGION_BYTES = region_bytes
+    group = Group("data", dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    return group, Collectives(shm=True), Collectives(shm=False)
+
+
+def _compare_with_gloo(region_bytes: int, chunk: int) -> list[torch.Tensor]:
+    group, ours, gloo = _setup(region_bytes)
+    rank, world = group.rank, group.size
+    torch.manual_seed(rank)
+    reduced = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = (torch.randn(world * chunk) * 100).to(dtype)
+        # Gloo sums in another order: the same sum up to rounding (exact for integers).
+        close = {torch.float32: dict(rtol=1e-5, atol=1e-3), torch.bfloat16: dict(rtol=1e-2, atol=2.0)}.get(dtype, {})
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            a, b = x.clone(), x.clone()
+            ours.all_reduce(a, group, op).wait()
+            gloo.all_reduce(b, group, op).wait()
+            torch.testing.assert_close(a, b, **close)
+            reduced.append(a)
+        strided = x.clone().view(chunk, world).t()  # not contiguous: reduced through a copy, written back
+        expected = strided.clone()
+        ours.all_reduce(strided, group).wait()
+        gloo.all_reduce(expected, group).wait()
+        torch.testing.assert_close(strided, expected, **close)
+
+        expected = torch.empty(chunk, dtype=dtype)
+        gloo.reduce_scatter(expected, x.clone(), group).wait()
+        out = torch.empty(chunk, dtype=dtype)
+        ours.reduce_scatter(out, x.clone(), group).wait()
+        torch.testing.assert_close(out, expected, **close)
+        in_place = x.clone()
+        ours.reduce_scatter(in_place.view(world, -1)[rank], in_place, group).wait()
+        torch.testing.assert_close(in_place.view(world, -1)[rank], expected, **close)
+
+        shard = x[:chunk].clone()
+        expected = torch.empty(world * chunk, dtype=dtype)
+        gloo.all_gather(expected, shard, group).wait()
+        gathered = torch.empty(world * chunk, dtype=dtype)
+        ours.all_gather(gathered, shard, group).wait()
+        assert torch.equal(gathered, expected)
+        own = torch.zeros(world * chunk, dtype=dtype)
+        own.view(world, -1)[rank] = shard
+        ours.all_gather(own, own.view(world, -1)[rank], group).wait()
+        assert torch.equal(own, expected)
+
+        sent = x.clone()
+        ours.broadcast(sent, world - 1, group).wait()
+        expected = x.clone()
+        gloo.broadcast(expected, world - 1, group).wait()
+        assert torch.equal(sent, expected)
+    ours.all_reduce(torch.empty(0), group).wait()  # every rank takes part, nothing moves
+
+    assert ours._channels[group.pg] is not None, "the shared-memory channel did not open"
+    assert ours.stats.calls("all_reduce") == 13 and ours.stats.calls("reduce_scatter") == 6
+    assert ours.stats.elements("all_gather") == 6 * world * chunk
+    return reduced
+
+
+@pytest.mark.parametrize("world,region_bytes,chunk", [(2, SMALL_REGION, 1001), (3, SMALL_REGION, 333), (4, 4 * 2**20, 5000)])
+def test_shm_collectives_equal_gloo(world, region_bytes, chunk):
+    results = run_distributed(_compare_with_gloo, world, region_bytes, chunk)
+    for other in results[1:]:  # all-reduce sums in rank order everywhere: the same bits on every rank
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def _overlap() -> None:
+    group, ours, _ = _setup(SMALL_REGION)
+    flats = [torch.full((4096,), float(group.rank + k)) for k in range(8)]
+    pending = [ours.all_reduce(f, group) for f in flats]  # queued; run in order on the channel's thread
+    deadline = time.monotonic() + 20
+    while not pending[-1].done():  # completes with nobody waiting, and says so without blocking
+        assert time.monotonic() < deadline, "done() never turned true"
+        time.sleep(0.001)
+    for k, (p, f) in enumerate(zip(pending, flats)):
+        p.wait()
+        assert torch.equal(f, torch.full((4096,), float(2 * k + 1)))
+
+
+def test_shm_collectives_run_asynchronously_in_issue_order():
+    run_distributed(_overlap, 2)
+
+
+def _no_shared_memory_anywhere_if_one_rank_lacks_it() -> bool:
+    group, ours, _ = _setup(shm.REGION_BYTES)
+    if group.rank == 1:
+        shm.SHM_DIR = "/nonexistent-shardwise-test"
+    x = torch.full((10,), float(group.rank))
+    ours.all_reduce(x, group).wait()  # every rank falls back to gloo, together
+    assert torch.equal(x, torch.full((10,), 1.0))
+    return ours._channels[group.pg] is None
+
+
+def test_every_rank_keeps_gloo_when_one_rank_cannot_share_memory():
+    assert run_distributed(_no_shared_memory_anywhere_if_one_rank_lacks_it, 2) == [True, True]
+
+
+def _peer_never_arrives(dead_pid: int) -> None:
+    group, _, _ = _setup(SMALL_REGION)
+    x = torch.ones(10)
+    for case in ("timeout", "exited"):
+        comm = Collectives(timeout_s=1.5, shm=True)
+        channel = comm._channel(group, x)  # opening is collective; the collective itself only rank 0 runs
+        if group.rank == 0:
+            if case == "exited":
+                channel.pids[1] = dead_pid  # as if rank 1 had died
+            error = CollectiveTimeout if case == "timeout" else CollectiveError
+            with pytest.raises(error, match="timed out|did not complete" if case == "timeout" else "exited"):
+                comm.all_reduce(x, group).wait()
+            with pytest.raises(CollectiveError, match="earlier shared-memory collective"):
+                comm.all_reduce(x, group).wait()  # the channel stays failed: its ranks are out of step
+        dist.barrier()
+
+
+def test_a_missing_peer_is_a_named_error_not_a_hang():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that no longer exists
+    run_distributed(_peer_never_arrives, 2, child.pid, timeout=60)
