@@ -2,8 +2,8 @@
 
 Why: gloo moves CPU tensors over TCP loopback, so every byte is copied into the kernel and out again and
 every reduction is staged. On the 2-core CI machine that CPU work competes with the ranks' own compute:
-a 25 MiB reduce-scatter costs 11-14 ms of CPU through gloo and 4 ms here, an all-gather 3.5 ms against
-1.7 ms (`benchmarks/gloo_collectives.py`). DeepSpeed's CPU backend has a shared-memory all-reduce for the
+a 25 MiB all-reduce costs 13.5 ms of CPU through gloo and 4.5 ms here, a reduce-scatter 20-33 ms
+against 7 ms, an all-gather 8-13 ms against 3 ms (`benchmarks/cpu_collectives.py`). DeepSpeed's CPU backend has a shared-memory all-reduce for the
 same reason.
 
 How: each rank owns one file in /dev/shm that every rank of the group maps: a header holding the rank's
@@ -41,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
-REGION_BYTES = 4 * 2**20
-"""Bytes per region (two per rank). Larger regions mean fewer synchronisations but more shared memory
-per rank resident (it counts in every mapping rank's RSS); at 4 MiB a 25 MiB bucket is 7-13 pieces, and
-a synchronisation costs about 0.1 ms."""
+REGION_BYTES = 2**20
+"""Bytes per region (two per rank). Every rank maps every region, and those it touches count in its RSS
+(4 MiB per rank at world size 2). Larger regions would mean fewer synchronisations (about 0.1 ms each),
+but 1 MiB was as fast as 2 MiB, and as fast as or faster than 4 MiB, at every size of
+`benchmarks/cpu_collectives.py`: regions this small stay in cache between the writer and the readers."""
 _HEADER = 4096  # sequence counter (int64) at 0, the rank's token (32 ASCII bytes) at 8
 _REDUCE = {
     dist.ReduceOp.SUM: torch.add,
