@@ -3,8 +3,8 @@
 Why: gloo moves CPU tensors over TCP loopback, so every byte is copied into the kernel and out again and
 every reduction is staged. On the 2-core CI machine that CPU work competes with the ranks' own compute:
 a 25 MiB all-reduce costs 13.5 ms of CPU through gloo and 4.5 ms here, a reduce-scatter 20-33 ms
-against 7 ms, an all-gather 8-13 ms against 3 ms (`benchmarks/cpu_collectives.py`). DeepSpeed's CPU backend has a shared-memory all-reduce for the
-same reason.
+against 7 ms, an all-gather 8-13 ms against 3 ms (`benchmarks/cpu_collectives.py`). DeepSpeed's CPU
+backend has a shared-memory all-reduce for the same reason.
 
 How: each rank owns one file in /dev/shm that every rank of the group maps: a header holding the rank's
 sequence counter, then two regions. A collective runs in pieces no larger than a region; for each piece a
