@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -99,6 +101,13 @@ def _overlap() -> None:
     for k, (p, f) in enumerate(zip(pending, flats)):
         p.wait()
         assert torch.equal(f, torch.full((4096,), float(2 * k + 1)))
+    # Once nothing refers to the channel, its worker thread ends (engines built one after another must not
+    # leave one behind each).
+    del ours, pending, p
+    gc.collect()
+    while any(t.name.startswith("shardwise-shm") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the channel's worker thread outlived it"
+        time.sleep(0.01)
 
 
 def test_shm_collectives_run_asynchronously_in_issue_order():

@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from typing import Callable
 
 import torch
@@ -91,8 +92,11 @@ class ShmChannel:
         self._seq = 0
         self._regions: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._broken: str | None = None
-        self._queue: queue.SimpleQueue[ShmWork] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=f"shardwise-shm-rank{rank}", daemon=True).start()
+        # The worker holds only the queue, so a channel nobody uses any more is collected, and its worker
+        # and mappings go with it (engines built one after another in a process would pile them up).
+        self._queue: queue.SimpleQueue[ShmWork | None] = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._queue,), name=f"shardwise-shm-rank{rank}", daemon=True).start()
+        weakref.finalize(self, self._queue.put, None)
 
     @classmethod
     def open(cls, pg: dist.ProcessGroup, timeout_s: float, region_bytes: int | None = None,
@@ -122,23 +126,20 @@ class ShmChannel:
         return cls(maps, rank, region_bytes, timeout_s, [pid if same_pids else None for _, _, (pid, _) in offers])
 
     def submit(self, run: Callable[[], None]) -> ShmWork:
-        work = ShmWork(run)
+        """Queue a collective (from the methods below) on the worker; it runs after those queued before."""
+
+        def guarded() -> None:
+            if self._broken is not None:  # the ranks' sequence numbers no longer agree
+                raise RuntimeError(f"an earlier shared-memory collective of this group failed: {self._broken}")
+            try:
+                run()
+            except BaseException as e:
+                self._broken = str(e)
+                raise
+
+        work = ShmWork(guarded)
         self._queue.put(work)
         return work
-
-    def _serve(self) -> None:
-        while True:
-            work = self._queue.get()
-            if self._broken is not None:
-                work.finish(RuntimeError(f"an earlier shared-memory collective of this group failed: {self._broken}"))
-                continue
-            try:
-                work.run()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                self._broken = str(e)
-                work.finish(e)
-            else:
-                work.finish(None)
 
     # The collectives: each is a sequence of pieces that every rank runs in the same order.
 
@@ -247,6 +248,17 @@ class ShmChannel:
                     checked = now
                     if not _alive(self.pids[k]):
                         raise RuntimeError(f"rank {k} of the group (pid {self.pids[k]}) exited during a shared-memory collective")
+
+
+def _serve(works: queue.SimpleQueue) -> None:
+    while (work := works.get()) is not None:
+        try:
+            work.run()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            work.finish(e)
+        else:
+            work.finish(None)
+        del work  # its closure holds the channel
 
 
 def _create(path: str, token: str, nbytes: int) -> mmap.mmap | None:
