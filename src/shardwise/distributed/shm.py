@@ -79,7 +79,7 @@ class ShmWork:
         return True
 
     def finish(self, error: BaseException | None) -> None:
-        self.error = error
+        self.error, self.run = error, None  # the closure holds the tensors and the channel: let them go
         self._done.set()
 
 
