@@ -56,8 +56,13 @@ from _harness import (
 )
 
 WORLD = 2
-CONFIGS = ("floor", "floor-alone", "shardwise-0", "shardwise-1", "shardwise-2", "shardwise-3", "deepspeed-1", "deepspeed-2",
-           "deepspeed-3", "ddp", "fsdp2")
+CONFIGS = ("floor", "floor-alone", "shardwise-0", "shardwise-1", "shardwise-2", "shardwise-3", "shardwise-3-reshard",
+           "deepspeed-1", "deepspeed-2", "deepspeed-3", "ddp", "fsdp2")
+RESHARD = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 409_600}
+"""`shardwise-3-reshard`: stage 3 with FSDP2's gather policy, for the memory comparison with it. FSDP2 frees a
+block's parameters after its forward and gathers one block ahead; `ds_config`'s DeepSpeed defaults (reuse
+distance and live parameters 1e9) keep every gathered parameter from forward to backward instead. Here units
+are released after forward and the prefetch window is one unit (bench33m's largest, a 320x1280 MLP weight)."""
 # (warm-up, timed) steps per preset: keeps the default run near five minutes on two cores
 STEPS = {"demo": (3, 10), "bench33m": (1, 3), "bench100m": (1, 3)}
 PERSISTENCE = 100_000  # stage3_param_persistence_threshold, the same for both libraries (both defaults)
@@ -113,7 +118,9 @@ def _build(kind: str, model: Any, micro: int, zero_extra: dict[str, Any] | None)
             opt.zero_grad(set_to_none=True)
 
         return plain_step, {"optimizer": opt_name}
-    library, stage = kind.split("-")
+    library, stage, *variant = kind.split("-")
+    if variant == ["reshard"]:
+        zero_extra = {**(zero_extra or {}), **RESHARD}
     if library == "deepspeed":
         import deepspeed as ds
 
@@ -264,7 +271,7 @@ def compare(rows: dict[str, Any]) -> dict[str, Any]:
     floor_of = {0: "floor-full", 1: "floor-sharded", 2: "floor-sharded", 3: "floor-sharded"}
     targets = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
     targets += [(f"shardwise-{s}", floor, 1.10 if s == 3 else 1.05) for s, floor in floor_of.items()]
-    targets += [("shardwise-3", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
+    targets += [("shardwise-3", "fsdp2", 1.0), ("shardwise-3-reshard", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
     references = [("ddp", "floor-full"), ("fsdp2", "floor-sharded")]
     references += [(f"deepspeed-{s}", "floor-sharded") for s in (1, 2, 3)]
     references += [(f"shardwise-{s}", floor.replace("floor", "floor-alone")) for s, floor in floor_of.items()]
@@ -278,12 +285,12 @@ def compare(rows: dict[str, Any]) -> dict[str, Any]:
         for name, key in metrics.items():
             out[f"{a}/{b} {name} (reference)"] = ratio(ok.get(a), ok.get(b), key)
         out[f"{a}/{b} paired (reference)"] = _paired(ok.get(a), ok.get(b))
-    for s in (0, 1, 2, 3):
-        for other in ("ddp", "fsdp2", f"deepspeed-{s}"):
+    for ours, stage in [(f"shardwise-{s}", s) for s in (0, 1, 2, 3)] + [("shardwise-3-reshard", 3)]:
+        for other in ("ddp", "fsdp2", f"deepspeed-{stage}"):
             for key, label in (("peak_rss_mib_per_rank", "peak RSS"), ("rss_growth_mib_per_rank", "RSS growth")):
-                value = ratio(ok.get(f"shardwise-{s}"), ok.get(other), key)
+                value = ratio(ok.get(ours), ok.get(other), key)
                 if value is not None:
-                    out[f"shardwise-{s}/{other} {label}"] = value
+                    out[f"{ours}/{other} {label}"] = value
     return out
 
 
