@@ -27,7 +27,8 @@ def _sweep(micro, accum):
         config = ds_config(micro, accum, clip=clip, lr=_lr(optimizer), optimizer=optimizer,
                            zero_optimization={"stage": stage, "reduce_bucket_size": bucket})
         losses, params, engine = engine_run(config, STEPS)
-        results.append((losses, params, len(engine.strategy.buckets.buckets)))
+        shm = any(channel is not None for channel in engine.comm._channels.values())
+        results.append((losses, params, len(engine.strategy.buckets.buckets), "shm" if shm else "gloo"))
     return results
 
 
@@ -37,10 +38,11 @@ def test_fp32_matches_oracle(world, transport, monkeypatch):
     monkeypatch.setenv("SHARDWISE_SHM_COLLECTIVES", "1" if transport == "shm" else "0")
     micro, accum = 2, 2
     per_rank = run_distributed(_sweep, world, micro, accum, timeout=300)
-    for (stage, optimizer, clip, bucket), (losses, params, n_buckets) in zip(SWEEP, per_rank[0]):
+    for (stage, optimizer, clip, bucket), (losses, params, n_buckets, used) in zip(SWEEP, per_rank[0]):
+        assert used == transport
         ref_losses, ref_params = oracle(STEPS, micro * accum * world, lr=_lr(optimizer), clip=clip, optimizer=optimizer)
         assert_close_run(losses, params, ref_losses, ref_params, rtol=1e-5)
         assert n_buckets > 1 if bucket < 1000 else n_buckets == 2  # two parameter groups, small buckets split
     for other in per_rank[1:]:  # every rank ends with the same full parameters
-        for (_, params, _), (_, params0, _) in zip(other, per_rank[0]):
+        for (_, params, _, _), (_, params0, _, _) in zip(other, per_rank[0]):
             assert all((params[k] == params0[k]).all() for k in params0)
