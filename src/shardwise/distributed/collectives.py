@@ -211,7 +211,7 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
         channel = self._channel(group, tensor) if shm_supports(op) else None
         if channel is not None:
-            return self._issue("all_reduce", group, tensor, lambda: channel.submit(channel.all_reduce(tensor, op)))
+            return self._issue("all_reduce", group, tensor, lambda: channel.all_reduce(tensor, op))
         return self._issue("all_reduce", group, tensor,
                            lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=True))
 
@@ -223,7 +223,7 @@ class Collectives:
         channel = self._channel(group, output, input_flat)
         if channel is not None:
             return self._issue("reduce_scatter", group, input_flat,
-                               lambda: channel.submit(channel.reduce_scatter(output, input_flat)))
+                               lambda: channel.reduce_scatter(output, input_flat))
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
             if input_flat.device.type == "cpu" and _own_chunk(output, input_flat, group):
@@ -245,7 +245,7 @@ class Collectives:
             output_flat.copy_(shard)
         channel = self._channel(group, output_flat, shard)
         if channel is not None:
-            return self._issue("all_gather", group, output_flat, lambda: channel.submit(channel.all_gather(output_flat, shard)))
+            return self._issue("all_gather", group, output_flat, lambda: channel.all_gather(output_flat, shard))
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
             if shard.device.type == "cpu" and _own_chunk(shard, output_flat, group):
@@ -265,7 +265,7 @@ class Collectives:
         channel = self._channel(group, tensor)
         if channel is not None:
             return self._issue("broadcast", group, tensor,
-                               lambda: channel.submit(channel.broadcast(tensor, src_rank_in_group)))
+                               lambda: channel.broadcast(tensor, src_rank_in_group))
         src = dist.get_global_rank(group.pg, src_rank_in_group)
         return self._issue("broadcast", group, tensor,
                            lambda: dist.broadcast(tensor, src=src, group=group.pg, async_op=True))

@@ -125,8 +125,8 @@ class ShmChannel:
         same_pids = len({ns for _, _, (_, ns) in offers}) == 1  # else a peer's pid means nothing here
         return cls(maps, rank, region_bytes, timeout_s, [pid if same_pids else None for _, _, (pid, _) in offers])
 
-    def submit(self, run: Callable[[], None]) -> ShmWork:
-        """Queue a collective (from the methods below) on the worker; it runs after those queued before."""
+    def _submit(self, run: Callable[[], None]) -> ShmWork:
+        """Queue a collective on the worker; it runs after those queued before."""
 
         def guarded() -> None:
             if self._broken is not None:  # the ranks' sequence numbers no longer agree
@@ -141,9 +141,9 @@ class ShmChannel:
         self._queue.put(work)
         return work
 
-    # The collectives: each is a sequence of pieces that every rank runs in the same order.
+    # The collectives, queued on the worker: each is a sequence of pieces that every rank runs in the same order.
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> Callable[[], None]:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> ShmWork:
         combine = _REDUCE[op]
 
         def run() -> None:
@@ -160,9 +160,9 @@ class ShmChannel:
             if flat.data_ptr() != tensor.data_ptr():
                 tensor.copy_(flat.view_as(tensor))
 
-        return run
+        return self._submit(run)
 
-    def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor) -> Callable[[], None]:
+    def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor) -> ShmWork:
         def run() -> None:
             chunks = input_flat.view(self.size, -1)
             own = chunks[self.rank]
@@ -181,9 +181,9 @@ class ShmChannel:
                     if k != self.rank:
                         out.add_(self._region(k, slot, own.dtype)[self.rank * step :][:width])
 
-        return run
+        return self._submit(run)
 
-    def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor) -> Callable[[], None]:
+    def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor) -> ShmWork:
         def run() -> None:
             chunks = output_flat.view(self.size, -1)
             for lo, hi in self._pieces(shard.numel(), shard.element_size(), 1):
@@ -196,9 +196,9 @@ class ShmChannel:
             if chunks[self.rank].data_ptr() != shard.data_ptr():
                 chunks[self.rank].copy_(shard)
 
-        return run
+        return self._submit(run)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Callable[[], None]:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> ShmWork:
         def run() -> None:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             for lo, hi in self._pieces(flat.numel(), flat.element_size(), 1):
@@ -211,7 +211,7 @@ class ShmChannel:
             if self.rank != src and flat.data_ptr() != tensor.data_ptr():
                 tensor.copy_(flat.view_as(tensor))
 
-        return run
+        return self._submit(run)
 
     # Pieces, regions and the synchronisation.
 
@@ -224,8 +224,7 @@ class ShmChannel:
     def _region(self, rank: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rank, slot, dtype)
         if key not in self._regions:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self._regions[key] = torch.frombuffer(self.maps[rank], dtype=dtype, count=self.region_bytes // itemsize,
+            self._regions[key] = torch.frombuffer(self.maps[rank], dtype=dtype, count=self.region_bytes // dtype.itemsize,
                                                   offset=_HEADER + slot * self.region_bytes)
         return self._regions[key]
 
