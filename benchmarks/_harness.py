@@ -181,6 +181,12 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str, key_b: s
     return round(x / y, 3) if y else None
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of a_i / b_i: measurements taken side by side (same round, same step) share the machine's drift,
+    so it cancels, where a ratio of medians keeps it."""
+    return round(statistics.median(x / y for x, y in zip(a, b)), 3)
+
+
 def verdict(value: float | None, target: float, at_most: bool = True) -> dict[str, Any]:
     if value is None:
         return {"value": None, "target": target, "met": None}

@@ -28,13 +28,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import LoadSampler, has_deepspeed, log, spawn, token_batches, verdict, write_report
-from zero_stages import CONFIGS, RESULTS, WORLD, _build, _torch_adamw, add_setup_args, setup_of
-
-TARGETS = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
-TARGETS += [("shardwise-0", "floor-full", 1.05)] + [(f"shardwise-{s}", "floor-sharded", 1.05) for s in (1, 2)]
-TARGETS += [("shardwise-3", "floor-sharded", 1.10), ("shardwise-3", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
-REFERENCES = [("ddp", "floor-full"), ("fsdp2", "floor-sharded")] + [(f"deepspeed-{s}", "floor-sharded") for s in (1, 2, 3)]
+from _harness import LoadSampler, has_deepspeed, log, paired_ratio, spawn, token_batches, verdict, write_report
+from zero_stages import (CONFIGS, REFERENCES, RESULTS, TARGETS, WORLD, _build, _torch_adamw, add_setup_args,
+                         setup_of)
 
 
 def _floor(model: Any) -> Any:
@@ -104,20 +100,16 @@ def _series(ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
-def _paired(a: list[float], b: list[float]) -> float:
-    return round(statistics.median(x / y for x, y in zip(a, b)), 3)
-
-
 def summarize(series: dict[str, list[float]]) -> dict[str, Any]:
     rows: dict[str, Any] = {k: {"step_time_s_median": round(statistics.median(v), 4), "step_time_s_min": round(min(v), 4),
                                 "step_times_s": [round(t, 4) for t in v]} for k, v in series.items()}
     ratios: dict[str, Any] = {}
     for a, b, target in TARGETS:
         if a in series and b in series:
-            ratios[f"{a}/{b} paired"] = verdict(_paired(series[a], series[b]), target)
+            ratios[f"{a}/{b} paired"] = verdict(paired_ratio(series[a], series[b]), target)
     for a, b in REFERENCES:
         if a in series and b in series:
-            ratios[f"{a}/{b} paired (reference)"] = _paired(series[a], series[b])
+            ratios[f"{a}/{b} paired (reference)"] = paired_ratio(series[a], series[b])
     rows["ratios"] = ratios
     return rows
 

@@ -46,6 +46,7 @@ from _harness import (
     has_deepspeed,
     log,
     merge_ranks,
+    paired_ratio,
     pool_steps,
     ratio,
     rss_mib,
@@ -255,29 +256,31 @@ def run_config(kind: str, args: argparse.Namespace, preset_name: str,
     return merge_ranks(result, EXTRA) | {"model_state_per_rank": [r.get("model_state") for r in result]}
 
 
+FLOOR_OF = {0: "floor-full", 1: "floor-sharded", 2: "floor-sharded", 3: "floor-sharded"}
+TARGETS = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
+TARGETS += [(f"shardwise-{s}", floor, 1.10 if s == 3 else 1.05) for s, floor in FLOOR_OF.items()]
+TARGETS += [("shardwise-3", "fsdp2", 1.0), ("shardwise-3-reshard", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
+"""(a, b, target): the ratios the brief asks for (this script and zero_interleaved.py)."""
+REFERENCES = [("ddp", "floor-full"), ("fsdp2", "floor-sharded")] + [(f"deepspeed-{s}", "floor-sharded") for s in (1, 2, 3)]
+"""(a, b): the peers' ratios, shown for reference."""
+
+
 def _paired(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
-    """Median over rounds of a's median / b's median in the same round: drift of the machine between rounds
-    moves both, so it cancels, where the ratio of medians pooled over all rounds keeps it."""
+    """`paired_ratio` of the two configurations' medians round by round (None without both)."""
     key = "step_time_s_median_per_round"
     if not isinstance(a, dict) or not isinstance(b, dict) or key not in a or key not in b:
         return None
-    return round(statistics.median(x / y for x, y in zip(a[key], b[key])), 3)
+    return paired_ratio(a[key], b[key])
 
 
 def compare(rows: dict[str, Any]) -> dict[str, Any]:
     """The ratios the brief asks for, each against its target."""
     ok = {k: v for k, v in rows.items() if isinstance(v, dict) and "error" not in v}
     metrics = {"median": "step_time_s_median", "fastest": "step_time_s_min", "cpu": "cpu_time_s_median"}
-    floor_of = {0: "floor-full", 1: "floor-sharded", 2: "floor-sharded", 3: "floor-sharded"}
-    targets = [(f"shardwise-{s}", f"deepspeed-{s}", 0.9) for s in (1, 2, 3)]
-    targets += [(f"shardwise-{s}", floor, 1.10 if s == 3 else 1.05) for s, floor in floor_of.items()]
-    targets += [("shardwise-3", "fsdp2", 1.0), ("shardwise-3-reshard", "fsdp2", 1.0), ("shardwise-0", "ddp", 1.05)]
-    references = [("ddp", "floor-full"), ("fsdp2", "floor-sharded")]
-    references += [(f"deepspeed-{s}", "floor-sharded") for s in (1, 2, 3)]
-    references += [(f"shardwise-{s}", floor.replace("floor", "floor-alone")) for s, floor in floor_of.items()]
+    references = REFERENCES + [(f"shardwise-{s}", floor.replace("floor", "floor-alone")) for s, floor in FLOOR_OF.items()]
     references += [(floor, floor.replace("floor", "floor-alone")) for floor in ("floor-full", "floor-sharded")]
     out: dict[str, Any] = {}
-    for a, b, target in targets:
+    for a, b, target in TARGETS:
         for name, key in metrics.items():
             out[f"{a}/{b} {name}"] = verdict(ratio(ok.get(a), ok.get(b), key), target)
         out[f"{a}/{b} paired"] = verdict(_paired(ok.get(a), ok.get(b)), target)
