@@ -41,7 +41,7 @@ def test_resume_mid_epoch_continues_exactly():
     state = partial.state_dict()
     resumed = DistributedLoader(DATA, 4, 0, 2, seed=1)
     resumed.load_state_dict(state)
-    assert state == {"epoch": 2, "batches_seen": 2}
+    assert state == {"epoch": 2, "consumed": 16, "seed": 1, "dataset_size": 40}  # 2 batches of 4 on each of 2 ranks
     assert head + _ids(resumed) == whole
 
 
