@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import files, layout
 from .errors import CheckpointError
+from .progress import restore_progress
 from .reader import CheckpointReader
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
         engine.strategy.after_state_load()
     if load_optimizer_states:
         engine.precision.loss_scaler.load_state_dict(meta["loss_scaler"])
-        for key, value in meta["counters"].items():
-            setattr(engine, key, value)
+        restore_progress(engine, meta)
         _restore_rng(reader, meta)
-        loader = engine.training_dataloader
-        if meta.get("data_loader") and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(meta["data_loader"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     dist.barrier()

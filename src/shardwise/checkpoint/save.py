@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from ..version import __version__
 from . import files, layout
 from .errors import CheckpointError
+from .progress import progress_meta
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,6 @@ def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str
         json.dumps(client_state)
     except TypeError as e:
         raise CheckpointError(f"client_state: must be JSON-serialisable (checkpoints never pickle); {e}.") from None
-    loader = engine.training_dataloader
     return {
         "format_version": layout.FORMAT_VERSION,
         "shardwise_version": __version__,
@@ -131,10 +131,9 @@ def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str
         "topology": dict(engine.topology.sizes),
         "stage": engine.config.zero_optimization.stage,
         "config": engine.config.model_dump(mode="json"),
-        "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+        **progress_meta(engine),  # "counters", "data_loader"
         "loss_scaler": engine.precision.loss_scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "data_loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
         "client_state": client_state,
     }
 

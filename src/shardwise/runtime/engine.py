@@ -51,6 +51,8 @@ class Engine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self.window_micro_steps = 0
+        """Micro-steps since the last optimizer step: gradients accumulated that a checkpoint does not hold."""
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._last_step: StepResult | None = None
@@ -136,6 +138,7 @@ class Engine(torch.nn.Module):
             if boundary:
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
