@@ -54,9 +54,15 @@ WORKER = textwrap.dedent(
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
+    try:  # the CPUs this rank may run on, as the kernel says (for --bind_cores_to_rank)
+        with open("/proc/self/status") as f:
+            cpus = next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+    except OSError:
+        cpus = None
     report = {
         "rank": rank, "world": world, "local_rank_env": int(os.environ["LOCAL_RANK"]),
-        "local_rank_arg": args.local_rank, "argv": sys.argv[1:], "sum": total.item(),
+        "local_rank_arg": args.local_rank, "argv": sys.argv[1:], "sum": total.item(), "cpus": cpus,
+        "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SHARDWISE_TEST_VENV")},
     }
     os.write(1, (json.dumps(report) + "\\n").encode())  # one write: ranks share the pipe, run with -u
     dist.destroy_process_group()
@@ -186,7 +192,69 @@ def test_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path: Path) -> N
     assert 'raise RuntimeError("boom from rank 1")' in result.stderr, result.stderr
     assert "RuntimeError: boom from rank 1" in result.stderr, result.stderr
     assert "shardwise: rank 1 (local rank 1" in result.stderr, result.stderr
+    assert "failed first, with exit code 1: RuntimeError: boom from rank 1; its traceback is above." in result.stderr
     assert not _alive(int(pid_file.read_text())), "rank 0 is still running after the launcher exited"
+
+
+SYS_EXIT_WORKER = """import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def test_rank_that_calls_sys_exit_is_reported_with_its_code_not_a_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "exits3.py"
+    script.write_text(SYS_EXIT_WORKER)
+    result = run_shardwise(["--num_gpus", "2", str(script)], tmp_path, timeout=FAILURE_TIMEOUT_S)
+    assert result.returncode == 3, result.stderr
+    assert (f"failed first, with exit code 3 from sys.exit(3) at {script}:3; there is no Python traceback. "
+            "The job was stopped") in result.stderr, result.stderr
+    assert "traceback is above" not in result.stderr and "Traceback" not in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def test_deepspeed_style_one_host_hostfile_command_runs_here(worker: Path) -> None:
+    hostfile, venv = worker.parent / "hostfile", worker.parent / "activate"
+    hostfile.write_text("localhost slots=2\n")
+    venv.write_text("export SHARDWISE_TEST_VENV=sourced\n")
+    port = free_port()
+    result = run_shardwise(["-H", str(hostfile), "--master_addr", "127.0.0.1", f"--master_port={port}",
+                            "--venv_script", str(venv), str(worker), "--x"], worker.parent)
+    got = reports(result)
+    assert [(r["rank"], r["world"], r["sum"], r["argv"]) for r in got] == [
+        (0, 2, 3.0, ["--local_rank=0", "--x"]), (1, 2, 3.0, ["--local_rank=1", "--x"])]
+    assert all(r["env"]["MASTER_ADDR"] == "127.0.0.1" and r["env"]["MASTER_PORT"] == str(port) for r in got)
+    assert all(r["env"]["SHARDWISE_TEST_VENV"] == "sourced" for r in got)  # --venv_script was sourced
+    assert "not this machine" not in result.stderr
+
+
+def _cpu_set(text: str) -> list[int]:
+    from shardwise.launcher.affinity import parse_core_list
+
+    return parse_core_list(text)
+
+
+def test_bind_cores_to_rank_pins_each_rank_to_its_own_cores(worker: Path) -> None:
+    from shardwise.launcher.affinity import one_per_physical_core
+
+    allowed = os.sched_getaffinity(0)
+    if len(one_per_physical_core(allowed)) < 2:
+        pytest.skip("needs two physical cores to give two ranks one each")
+    got = reports(run_shardwise(["--num_gpus", "2", "--bind_cores_to_rank", str(worker)], worker.parent))
+    first, second = (_cpu_set(r["cpus"]) for r in got)
+    assert len(first) == len(second) >= 1 and max(first) < min(second)  # equal, consecutive, disjoint shares
+    assert set(first + second) <= allowed
+    assert [r["env"]["OMP_NUM_THREADS"] for r in got] == [str(len(first))] * 2
+    last = max(allowed)
+    (only,) = reports(run_shardwise(["--num_gpus", "1", "--bind_cores_to_rank", f"--bind_core_list={last}",
+                                     str(worker)], worker.parent))
+    assert (only["cpus"], only["env"]["OMP_NUM_THREADS"]) == (str(last), "1")
 
 
 def test_ranks_exit_cleanly_right_after_collectives(tmp_path: Path) -> None:
@@ -230,7 +298,7 @@ def test_missing_script_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [([], "no script given"), (["--num_gpus", "0", "x.py"], "--num_gpus must be at least 1; got 0")],
+    [([], "no script given"), (["--num_gpus", "0", "x.py"], "--num_gpus must be at least 1 (or -1 for all); got 0.")],
 )
 def test_bad_launch_arguments_are_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = shardwise_main(args, capsys)

@@ -1,7 +1,8 @@
 """Two "hosts" on one machine for multi-node tests: Linux network namespaces joined by a veth pair, each
 running Debian's sshd (key auth with keys made here). Traffic stays inside the two namespaces.
 
-Needs root, ``ip`` (iproute2), ``sshd``/``ssh`` (openssh-server/-client); ``.ci/run`` installs them.
+Needs root, ``ip`` (iproute2), ``sshd``/``ssh`` (openssh-server/-client); ``.ci/run`` installs them. Tests that
+start every node's launcher themselves (``--no_ssh``) ask for hosts without sshd, and need only root and ``ip``.
 ``why_unavailable()`` says what is missing, for a clear skip.
 """
 
@@ -25,10 +26,10 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
 
 
-def why_unavailable() -> str | None:
+def why_unavailable(sshd: bool = True) -> str | None:
     if os.geteuid() != 0:
         return "network-namespace hosts need root"
-    for tool in ("ip", "/usr/sbin/sshd", "ssh", "ssh-keygen"):
+    for tool in ("ip", "/usr/sbin/sshd", "ssh", "ssh-keygen") if sshd else ("ip",):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install iproute2 openssh-server openssh-client)"
     probe = f"swprobe{os.getpid()}"
@@ -83,20 +84,20 @@ def _check(result: subprocess.CompletedProcess[str], what: str) -> None:
         raise RuntimeError(f"{what} failed: {result.stderr.strip()}")
 
 
-def make_hosts(tmp: Path, count: int = 2) -> Hosts:
+def make_hosts(tmp: Path, count: int = 2, sshd: bool = True) -> Hosts:
     tag = f"{os.getpid() % 100000}"
     names = [f"sw{tag}h{i}" for i in range(count)]
     addrs = [f"{SUBNET}.{i + 1}" for i in range(count)]
-    hosts = Hosts(names, addrs, _keys(tmp), [], tag)
+    hosts = Hosts(names, addrs, _keys(tmp) if sshd else tmp / "no_ssh_config", [], tag)
     try:
-        _build(hosts, tmp)
+        _build(hosts, tmp, sshd)
     except BaseException:
         remove_hosts(hosts)  # nothing half-made is left behind
         raise
     return hosts
 
 
-def _build(hosts: Hosts, tmp: Path) -> None:
+def _build(hosts: Hosts, tmp: Path, sshd: bool) -> None:
     names, addrs, tag = hosts.namespaces, hosts.addrs, hosts.tag
     for name in names:
         _check(_run("ip", "netns", "add", name), f"ip netns add {name}")
@@ -108,6 +109,8 @@ def _build(hosts: Hosts, tmp: Path) -> None:
         _check(_run("ip", "link", "set", dev, "netns", name), "move veth")
         _check(_run("ip", "-n", name, "addr", "add", f"{addrs[i]}/24", "dev", dev), "address")
         _check(_run("ip", "-n", name, "link", "set", dev, "up"), "link up")
+    if not sshd:
+        return
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     for i, name in enumerate(names):
         config = _sshd_config(tmp, addrs[i], name)
@@ -138,13 +141,13 @@ def remove_hosts(hosts: Hosts) -> None:
 
 
 @contextlib.contextmanager
-def namespace_hosts(tmp_path_factory: pytest.TempPathFactory, needed_by: str) -> Iterator[Hosts]:
+def namespace_hosts(tmp_path_factory: pytest.TempPathFactory, needed_by: str, sshd: bool = True) -> Iterator[Hosts]:
     """Two hosts for a module's tests, removed afterwards; skips those tests, with the reason, where they
-    cannot be made."""
-    reason = why_unavailable()
+    cannot be made. ``sshd=False``: no sshd in them (for tests that start each node's launcher themselves)."""
+    reason = why_unavailable(sshd)
     if reason:
         pytest.skip(f"{needed_by} need two network-namespace hosts: {reason}")
-    made = make_hosts(tmp_path_factory.mktemp("hosts"))
+    made = make_hosts(tmp_path_factory.mktemp("hosts"), sshd=sshd)
     try:
         yield made
     finally:

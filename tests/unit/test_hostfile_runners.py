@@ -77,7 +77,8 @@ def test_first_failure_is_the_cause_not_its_consequences() -> None:
     failures = [_failure(0, 1, peer, time=1.0), _failure(1, 1, peer, time=1.0), _failure(3, -9, time=2.0)]
     first = first_failure(failures)
     assert first.rank == 3 and first.summary() == (
-        "rank 3 on host h1 (local rank 1, pid 103) failed first, with signal 9 (SIGKILL)")
+        "rank 3 on host h1 (local rank 1, pid 103) failed first, with signal 9 (SIGKILL): it was killed, so there "
+        "is no Python traceback")
     assert first_failure([_failure(2, 1, "ValueError: x", 5.0), _failure(0, 1, "KeyError: y", 4.0)]).rank == 0
 
 
@@ -87,9 +88,47 @@ def test_one_node_summary_names_the_killed_rank_not_the_one_the_agent_stopped() 
     # The agent's SIGTERM to the survivor can carry an earlier (whole-second) time than the SIGKILL it answers.
     stopped, killed = _failure(0, -15, time=10.0), _failure(1, -9, time=11.0)
     assert describe_failure([stopped, killed]) == (
-        "shardwise: rank 1 (local rank 1, pid 101) failed first, with signal 9 (SIGKILL); its traceback is above. "
-        "The job was stopped (other ranks ended with rank 0: signal 15 (SIGTERM)).")
+        "shardwise: rank 1 (local rank 1, pid 101) failed first, with signal 9 (SIGKILL): it was killed, so there is "
+        "no Python traceback. The job was stopped (other ranks ended with rank 0: signal 15 (SIGTERM)).")
     assert first_failure([stopped, killed]).exit_code() == 1
+
+
+@pytest.mark.parametrize(("failure", "log_dir", "one_of_nodes", "said"), [
+    # A rank that called sys.exit(3): bootstrap.py noted where; Python printed no traceback.
+    (Failure(1, 1, "h", 7, 3, "sys.exit(3) at /w/t.py:4", "", 0.0), None, False,
+     "rank 1 (local rank 1, pid 7) failed first, with exit code 3 from sys.exit(3) at /w/t.py:4; there is no "
+     "Python traceback. The job was stopped."),
+    (Failure(1, 1, "h", 7, 3, "", "", 0.0), None, True,
+     "rank 1 (local rank 1, pid 7) failed first, with exit code 3, without a Python traceback (os._exit, a crash in "
+     "native code, or not a Python program). This node's ranks were stopped (each node's launcher stops only its "
+     "own ranks)."),
+    (Failure(1, 1, "h", 7, 1, "RuntimeError: boom", "Traceback ...\nRuntimeError: boom", 0.0), "/logs", False,
+     "rank 1 (local rank 1, pid 7) failed first, with exit code 1: RuntimeError: boom; its traceback is in "
+     "/logs/rank1.log. The job was stopped."),
+])
+def test_failure_summary_says_whether_there_is_a_traceback_and_where(failure: Failure, log_dir: str | None,
+                                                                     one_of_nodes: bool, said: str) -> None:
+    from shardwise.launcher.local import describe_failure
+
+    assert describe_failure([failure], log_dir, one_of_nodes) == f"shardwise: {said}"
+    assert failure.exit_code() == failure.exitcode
+
+
+def test_sys_exit_in_a_rank_is_recorded_with_where_it_was_called(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import sys
+
+    from shardwise.launcher import bootstrap
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    try:
+        line = sys._getframe().f_lineno + 1
+        sys.exit(3)
+    except SystemExit as ending:
+        bootstrap.record_exit(ending)
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert recorded["message"] == f"sys.exit(3) at {__file__}:{line}"
+    assert recorded["extraInfo"]["py_callstack"] == ""
 
 
 def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -7,10 +7,12 @@
 3. starts the parent-death watchdog (``watchdog.py``: no orphaned ranks after a SIGKILLed launcher);
 4. under mpirun/srun (no ``RANK`` set), exports the torch variables found by ``distributed.env``, so
    scripts that call ``torch.distributed.init_process_group`` themselves work too;
-5. runs the script as ``python script.py`` / ``python -m module`` would (``sys.argv``, ``sys.path[0]``,
+5. with ``--bind_cores_to_rank``, pins this rank to its share of the node's cores (``affinity.py``);
+6. runs the script as ``python script.py`` / ``python -m module`` would (``sys.argv``, ``sys.path[0]``,
    ``__main__``), with DeepSpeed's ``--local_rank=<r>`` first if asked, or ``exec``s an executable;
-6. if the script raises, prints the traceback without this module's frames and writes it, with a precise
-   time and the host, to the elastic agent's error file so the launcher can name the first failure.
+7. if the script raises, prints the traceback without this module's frames and writes it, with a precise
+   time and the host, to the elastic agent's error file so the launcher can name the first failure; if it
+   calls ``sys.exit`` with a failing code, the error file says where (Python prints no traceback for that).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 import traceback
 from types import TracebackType
 
-from shardwise.launcher import watchdog
+from shardwise.launcher import affinity, watchdog
 
 PID_FILE_VAR = "SHARDWISE_PID_FILE"
 RANK_LOG_VAR = "SHARDWISE_EACH_RANK_LOG"
@@ -81,19 +83,40 @@ def _is_ours(filename: str) -> bool:
     return filename == __file__ or os.path.basename(filename) == "runpy.py" or filename == "<frozen runpy>"
 
 
+def write_error_file(message: str, callstack: str) -> None:
+    """What the launcher reports for this rank, in the agent's error file (torch's ``record`` format + extras)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": callstack, "timestamp": str(int(time.time())), "shardwise_time": time.time(),
+            "shardwise_host": host_name()}
+    with open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": info}}, f)
+
+
 def record_failure(error: BaseException) -> None:
-    """Print the traceback and write it to the agent's error file (torch's ``record`` format + extras)."""
+    """Print the traceback and write it to the agent's error file."""
     tb = _script_frames(error.__traceback__)
     text = "".join(traceback.format_exception(type(error), error, tb))
     sys.stderr.write(text)
     sys.stderr.flush()
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    info = {"py_callstack": text, "timestamp": str(int(time.time())), "shardwise_time": time.time(),
-            "shardwise_host": host_name()}
-    with open(path, "w") as f:
-        json.dump({"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": info}}, f)
+    write_error_file(f"{type(error).__name__}: {error}", text)
+
+
+def record_exit(ending: SystemExit) -> None:
+    """A failing ``sys.exit(code)``: Python prints no traceback, so note where it was called (no callstack)."""
+    tb = ending.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    write_error_file(f"sys.exit({ending.code!r}){where}", "")
+
+
+def bind_cores() -> None:
+    """``--bind_cores_to_rank``: pin this rank to its share of the node's cores (after the env is complete)."""
+    setting = os.environ.get(affinity.BIND_VAR)
+    if setting:
+        affinity.bind_this_rank(setting, int(_first(("LOCAL_WORLD_SIZE",), "1")), int(_first(_LOCAL_RANK_VARS)))
 
 
 def run_script(mode: str, target: str, args: list[str]) -> None:
@@ -141,8 +164,13 @@ def main(argv: list[str]) -> None:
     if pass_local_rank:
         args = [f"--local_rank={_first(_LOCAL_RANK_VARS)}", *args]
     try:
+        bind_cores()
         run_script(mode, target, args)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as ending:
+        if not (ending.code is None or ending.code == 0):
+            record_exit(ending)
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then the rank exits 1
         record_failure(error)

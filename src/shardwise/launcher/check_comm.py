@@ -41,7 +41,13 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise check-comm", add_help=False)
+    # No -h of its own: the rest of the command line goes to the launcher; main() answers --help itself.
+    parser = argparse.ArgumentParser(
+        prog="shardwise check-comm", add_help=False,
+        usage="shardwise check-comm [launcher options] [--sizes 64K,1M] [--iters N] [--ops OPS] [--json FILE]",
+        description="Sanity-test the network between the ranks (broadcast, send/recv, all_reduce), then time "
+                    "collectives per message size. Any launcher option of `shardwise --help` also works here "
+                    "(--num_gpus, --hostfile, --launcher, ...).")
     parser.add_argument("--sizes", default="64K,1M,8M", help="message sizes in bytes (K/M/G suffixes)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (after 2 warm-up)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"collectives to time, from {', '.join(OPS)}")
@@ -173,6 +179,9 @@ def worker(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """``shardwise check-comm``: its own options are read here, the rest are launcher options."""
+    if "-h" in argv or "--help" in argv:  # check-comm takes no script, so any --help is a request for ours
+        build_parser().print_help()
+        return 0
     own, launcher_options = build_parser().parse_known_args(argv)
     forwarded = [f"--sizes={own.sizes}", f"--iters={own.iters}", f"--ops={own.ops}"]
     forwarded += [f"--json={os.path.abspath(own.json)}"] if own.json else []

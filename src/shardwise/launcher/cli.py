@@ -1,8 +1,10 @@
 """The ``shardwise`` command line: dispatches subcommands, otherwise parses and starts a launch.
 
-``shardwise [launcher options] script.py [script args]`` starts one process per device on this machine
-(DeepSpeed's launcher spellings are accepted). ``shardwise <subcommand> ...`` runs a tool instead; subcommands
-register in :data:`SUBCOMMANDS`, and a first argument naming one is never read as a script.
+``shardwise [launcher options] script.py [script args]`` starts one process per device on this machine or on
+every node of a hostfile; every flag of DeepSpeed's ``deepspeed`` command is accepted (``flags.py`` is the
+table). ``shardwise <subcommand> ...`` runs a tool instead; subcommands register in :data:`SUBCOMMANDS`, and a
+first argument naming one is never read as a script. :func:`deepspeed_main` is the same launcher under
+DeepSpeed's name, for the ``deepspeed`` command of the compatibility distribution.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
+from shardwise.launcher import affinity
+from shardwise.launcher.flags import LaunchError, parse_launch_args
+from shardwise.launcher.hostfile import Node
+
 if TYPE_CHECKING:
     from shardwise.launcher.local import LocalLaunch
     from shardwise.launcher.multinode import MultiNodeLaunch
 
+__all__ = ["LaunchError", "SUBCOMMANDS", "Subcommand", "deepspeed_main", "launch", "main", "plan_launch"]
 MULTI_NODE_ERROR = "several nodes need a --hostfile listing them ('<host> slots=<N>' per line)"
-
-
-class LaunchError(ValueError):
-    """A launcher argument is wrong; the message says which and how to fix it."""
 
 
 class Subcommand(NamedTuple):
@@ -30,7 +33,6 @@ class Subcommand(NamedTuple):
     run: Callable[[list[str]], int]
 
 
-# Filled in by later tools (``report``, ``checkpoint``); a launch is whatever is not a subcommand.
 def _plot(argv: list[str]) -> int:
     from shardwise.monitor.plot import main as plot_main  # matplotlib only when plotting
 
@@ -64,70 +66,42 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
-def build_launch_parser() -> argparse.ArgumentParser:
-    """Options of a launch; names follow DeepSpeed's launcher (underscores), dashed forms also work."""
-    parser = argparse.ArgumentParser(
-        prog="shardwise",
-        usage="shardwise [options] script.py [script args]  |  shardwise <subcommand> ...",
-        description="Start one training process per device on this machine (via torch.distributed.run).",
-        epilog=_subcommand_epilog(),
-        allow_abbrev=False,
-    )
-    add = parser.add_argument
-    add("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
-        help="processes to start (CPU processes on a machine without GPUs); default: one per CUDA device, or 1")
-    add("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="use the first N hosts of the hostfile")
-    add("--hostfile", default=None, help="lines '<host> slots=<N>' (default /job/hostfile when it exists)")
-    add("-i", "--include", default="", help="only these hosts/slots: 'host1:0,1@host2'")
-    add("-e", "--exclude", default="", help="all but these hosts/slots: 'host1:0,1@host2'")
-    add("--launcher", default=None, choices=("pdsh", "ssh", "openmpi", "mpich", "slurm"),
-        help="how processes reach the nodes (default pdsh)")
-    add("--launcher_args", "--launcher-args", default="", metavar="ARGS", help="extra options for ssh/pdsh/mpirun/srun")
-    add("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the nodes")
-    add("--force_multi", "--force-multi", action="store_true", help="multi-node mode even for a single host")
-    add("--elastic_training", "--elastic-training", action="store_true",
-        help="c10d rendezvous: nodes may leave and rejoin between --min_nodes and --max_nodes")
-    add("--min_nodes", "--min-nodes", type=int, default=None, metavar="N", help="elastic: fewest nodes (default 1)")
-    add("--max_nodes", "--max-nodes", type=int, default=None, metavar="N", help="elastic: most nodes (default all)")
-    add("--max_restarts", "--max-restarts", type=int, default=None, metavar="N", help="elastic: restarts (default 3)")
-    add("--save_pid", "--save-pid", action="store_true",
-        help="write /tmp/<launcher pid>.shardwise listing every process of the job ('<role> <host> <pid>')")
-    add("--enable_each_rank_log", "--enable-each-rank-log", default=None, metavar="DIR",
-        help="send each rank's stdout/stderr to DIR/rank<R>.log")
-    add("--master_addr", "--master-addr", default=None, metavar="ADDR", help="rendezvous address (default 127.0.0.1)")
-    add("--master_port", "--master-port", type=int, default=None, metavar="PORT",
-        help="rendezvous port (default 29500, or a free port if 29500 is busy)")
-    add("--no_local_rank", "--no-local-rank", action="store_true",
-        help="do not append --local_rank=<r> to the script's args (LOCAL_RANK is always in the env)")
-    add("-m", "--module", action="store_true", help="run the script as a module, like python -m")
-    add("--no_python", "--no-python", action="store_true", help="run the script as an executable, not with python")
-    # One REMAINDER positional: everything from the script on belongs to the script, options included.
-    add("command", nargs=argparse.REMAINDER, metavar="script [script args]",
-        help="the training script (or module name with --module), then its args, passed unchanged")
-    return parser
-
-
-def _subcommand_epilog() -> str | None:
-    if not SUBCOMMANDS:
-        return None
+def subcommand_epilog() -> str:
     lines = [f"  {name:<12} {cmd.summary}" for name, cmd in sorted(SUBCOMMANDS.items())]
-    return "subcommands:\n" + "\n".join(lines)
+    return "subcommands (shardwise <subcommand> --help):\n" + "\n".join(lines)
 
 
-def check_counts(args: argparse.Namespace, hostfile: str | None) -> None:
-    """Process counts must be at least one; several nodes need a hostfile that names them."""
+def check_options(args: argparse.Namespace, hostfile: str | None) -> None:
+    """Counts, combinations and refusals that need no hostfile: fast, before torch is imported."""
     if hostfile is None and args.num_nodes is not None and args.num_nodes > 1:
         raise LaunchError(f"--num_nodes {args.num_nodes}: {MULTI_NODE_ERROR}.")
-    if args.num_nodes is not None and args.num_nodes < 1:
-        raise LaunchError(f"--num_nodes must be at least 1; got {args.num_nodes}.")
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise LaunchError(f"--num_gpus must be at least 1; got {args.num_gpus}.")
+    for flag in ("num_nodes", "num_gpus"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise LaunchError(f"--{flag} must be at least 1 (or -1 for all); got {value}.")
+    if args.autotuning:
+        raise LaunchError(f"--autotuning {args.autotuning}: shardwise has no autotuner yet; drop the flag to run "
+                          "the job with its config as written.")
+    if args.module and args.no_python:
+        raise LaunchError("--module and --no_python cannot be used together; keep one.")
+    if args.node_rank is not None and not args.no_ssh:
+        raise LaunchError(f"--node_rank {args.node_rank}: used only with --no_ssh (each node's launcher started by "
+                          "hand); add --no_ssh, or drop --node_rank to have every node started from here.")
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:
+        raise LaunchError(f"--bind_core_list {args.bind_core_list}: only used with --bind_cores_to_rank; add it to "
+                          "bind each rank to its share of these cores, or drop --bind_core_list.")
+    if args.enable_each_rank_log and os.path.isfile(args.enable_each_rank_log):
+        raise LaunchError(f"--enable_each_rank_log {args.enable_each_rank_log}: is a file; give a directory.")
+    if args.venv_script and not os.path.isfile(args.venv_script):
+        raise LaunchError(f"--venv_script {args.venv_script}: no such file (cwd {os.getcwd()}).")
+    if args.bind_core_list is not None:
+        affinity.parse_core_list(args.bind_core_list)
 
 
 def check_script(args: argparse.Namespace) -> None:
     """A script path must name a file; module names and executables are left to the worker to resolve."""
     if not args.command:
-        raise LaunchError("no script given; usage: shardwise [options] script.py [script args] (see --help).")
+        raise LaunchError("no script given; pass the training script after the options (see --help).")
     script = args.command[0]
     if args.module or args.no_python or os.path.isfile(script):
         return
@@ -136,6 +110,15 @@ def check_script(args: argparse.Namespace) -> None:
         f"script {script!r}: {where}. Pass the path of a Python file, "
         "or --module to run an importable module by name."
     )
+
+
+def check_binding(args: argparse.Namespace, nproc: int) -> None:
+    """``--bind_cores_to_rank`` on this machine: every local rank must get at least one usable core."""
+    from shardwise.launcher import planning
+
+    setting = planning.bind_setting(args)
+    if setting is not None:
+        affinity.rank_share(affinity.node_cores(setting), nproc, 0)
 
 
 def resolve_nproc(requested: int | None) -> int:
@@ -153,12 +136,12 @@ def resolve_nproc(requested: int | None) -> int:
     return requested
 
 
-def resolve_master_port(requested: int | None) -> int:
+def resolve_master_port(requested: int | None, log_level: str = "info") -> int:
     """An explicit port must be valid and free; otherwise 29500, or a free port if that one is busy."""
     from shardwise.launcher import local, netutil
 
     if requested is None:
-        return local.pick_default_master_port()
+        return local.pick_default_master_port(log_level)
     if not 0 < requested < 65536:
         raise LaunchError(f"--master_port must be between 1 and 65535; got {requested}.")
     if not netutil.port_is_free(requested):
@@ -170,25 +153,32 @@ def resolve_master_port(requested: int | None) -> int:
 
 
 def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
-    """Validate parsed options and turn them into a single-node or a multi-node launch plan."""
+    """Validate parsed options and turn them into a single-node, a multi-node or a ``--no_ssh`` node's plan."""
     from shardwise.launcher import planning  # no torch: argument errors come fast
 
     path = planning.hostfile_path(args)
-    check_counts(args, path)
+    check_options(args, path)
     check_script(args)
     nodes = planning.select_nodes(args, path) if path else planning.scheduler_on_this_host(args)
+    if args.no_ssh:  # without a hostfile: this machine is the only node, as in DeepSpeed
+        here = (Node("localhost", tuple(range(resolve_nproc(args.num_gpus)))),)
+        plan = planning.plan_no_ssh(args, nodes or here)
+        check_binding(args, plan.nproc)
+        return plan
     if nodes is not None and planning.is_multinode(args, nodes):
         return planning.plan_multinode(args, nodes)
-    if nodes is not None:  # one host: run here on its selected slots, as DeepSpeed does
-        planning.use_slots_here(nodes[0])
+    if nodes is not None and path is not None:  # one host: run here on its selected slots, as DeepSpeed does
+        planning.one_host_here(args, nodes[0], path)
     from shardwise.launcher import local  # after the checks: argument errors come without importing torch
 
+    nproc = nodes[0].nproc if nodes else resolve_nproc(args.num_gpus)
+    check_binding(args, nproc)
     return planning.as_pod_of_job(args, local.LocalLaunch(
-        nproc=nodes[0].nproc if nodes else resolve_nproc(args.num_gpus),
+        nproc=nproc,
         script=args.command[0],
         script_args=tuple(args.command[1:]),
         master_addr=args.master_addr or local.DEFAULT_MASTER_ADDR,
-        master_port=resolve_master_port(args.master_port),
+        master_port=resolve_master_port(args.master_port, args.log_level),
         module=args.module,
         no_python=args.no_python,
         pass_local_rank=not args.no_local_rank,
@@ -199,12 +189,15 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
         rdzv_conf="is_host=1" if args.elastic_training else "",
         each_rank_log=args.enable_each_rank_log,
         pid_file=planning.pid_file_path() if args.save_pid else None,
+        bind_cores=planning.bind_setting(args),
+        venv_script=args.venv_script,
     ))
 
 
-def launch(argv: list[str]) -> int:
+def launch(argv: list[str], prog: str = "shardwise") -> int:
     """``shardwise [options] script [args]``: start the processes, return the job's exit status."""
-    plan = plan_launch(build_launch_parser().parse_args(argv))
+    epilog = subcommand_epilog() if prog == "shardwise" else None
+    plan = plan_launch(parse_launch_args(argv, prog, epilog))
     from shardwise.launcher.multinode import MultiNodeLaunch, launch_multinode
 
     if isinstance(plan, MultiNodeLaunch):
@@ -215,12 +208,21 @@ def launch(argv: list[str]) -> int:
 
 
 def _plan_errors() -> tuple[type[ValueError], ...]:
-    """Errors of hostfiles, env files and runners: user errors, printed like ``LaunchError``."""
+    """Errors of hostfiles, env files, runners and core lists: user errors, printed like ``LaunchError``."""
+    from shardwise.launcher.affinity import CoreBindingError
     from shardwise.launcher.hostfile import HostfileError
     from shardwise.launcher.remote_env import EnvFileError
     from shardwise.launcher.runners import RunnerError
 
-    return HostfileError, EnvFileError, RunnerError
+    return HostfileError, EnvFileError, RunnerError, CoreBindingError
+
+
+def run_launch(argv: list[str], prog: str) -> int:
+    try:
+        return launch(argv, prog)
+    except (LaunchError, *_plan_errors()) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,11 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return SUBCOMMANDS[args[0]].run(args[1:])
-    try:
-        return launch(args)
-    except (LaunchError, *_plan_errors()) as error:
-        print(f"shardwise: error: {error}", file=sys.stderr, flush=True)
-        return 2
+    return run_launch(args, "shardwise")
+
+
+def deepspeed_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for a ``deepspeed`` console script: the same launcher, named ``deepspeed`` in usage, help
+    and errors, with no subcommands (DeepSpeed's ``deepspeed report`` would run a script named ``report``)."""
+    return run_launch(list(sys.argv[1:] if argv is None else argv), "deepspeed")
 
 
 if __name__ == "__main__":

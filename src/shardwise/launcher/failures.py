@@ -51,9 +51,19 @@ class Failure:
             return f"signal {-self.exitcode} ({name})"
         return f"exit code {self.exitcode}"
 
+    def cause(self) -> str:
+        """What is known beyond how the rank ended; says so when there is no traceback to look for."""
+        if self.exitcode < 0:
+            return ": it was killed, so there is no Python traceback"
+        if self.traceback:
+            return f": {self.message}" if self.message else ""
+        if self.message:  # bootstrap.py notes where sys.exit was called: "sys.exit(3) at train.py:12"
+            return f" from {self.message}; there is no Python traceback"
+        return ", without a Python traceback (os._exit, a crash in native code, or not a Python program)"
+
     def summary(self) -> str:
         return (f"rank {self.rank} on host {self.host} (local rank {self.local_rank}, pid {self.pid}) failed first, "
-                f"with {self.how()}" + (f": {self.message}" if self.message and self.exitcode >= 0 else ""))
+                f"with {self.how()}{self.cause()}")
 
     def traceback_tail(self) -> str:
         lines = self.traceback.rstrip().splitlines()

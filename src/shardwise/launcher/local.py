@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 
@@ -19,11 +20,14 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils import macros
 
-from shardwise.launcher import bootstrap, watchdog
+from shardwise.launcher import affinity, bootstrap, watchdog
 from shardwise.launcher.failures import Failure, first_failure, from_child_failed
+from shardwise.launcher.messages import say
 from shardwise.launcher.netutil import free_port, port_is_free
+from shardwise.launcher.remote_env import EnvFileError
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+BASH_OWN_VARS = ("_", "SHLVL", "PWD", "OLDPWD")  # set by the bash that sources --venv_script, not by the script
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -49,6 +53,8 @@ class LocalLaunch:
     rdzv_conf: str = ""  # c10d only: "is_host=1" on the node that serves the rendezvous store
     each_rank_log: str | None = None  # --enable_each_rank_log DIR
     pid_file: str | None = None  # --save_pid: where every process of the job notes its pid
+    bind_cores: str | None = None  # --bind_cores_to_rank: "all" or --bind_core_list (see affinity.py)
+    venv_script: str | None = None  # --venv_script: sourced here, its variables given to the agent and ranks
 
 
 def in_bootstrap(plan: LocalLaunch) -> LocalLaunch:
@@ -106,20 +112,24 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     return args
 
 
-def describe_failure(failures: list[Failure]) -> str:
+def describe_failure(failures: list[Failure], each_rank_log: str | None = None, one_of_nodes: bool = False) -> str:
     """A short summary: the rank that failed first (whose traceback the user wants) and how the rest ended.
 
     The first is picked as on several nodes (see [Note: first failure]), not by torch's
     ``get_first_failure``: that goes by whole-second timestamps, so the rank the agent stopped with SIGTERM
-    can be named instead of the one that died. Workers' stderr is not redirected, so the failing rank's own
-    traceback is already on our stderr; the elastic agent's long error report is not printed.
+    can be named instead of the one that died. Workers' stderr is not redirected (unless to per-rank logs),
+    so a failing rank's own traceback is already on our stderr; the elastic agent's long report is not
+    printed. A rank that ended without a traceback (killed, ``sys.exit``) is said to have none.
     """
     first = first_failure(failures)
     rest = "; ".join(f"rank {f.rank}: {f.how()}" for f in sorted(failures, key=lambda f: f.rank) if f is not first)
+    where = f"in {os.path.join(each_rank_log, f'rank{first.rank}.log')}" if each_rank_log else "above"
+    stopped = ("This node's ranks were stopped (each node's launcher stops only its own ranks)" if one_of_nodes
+               else "The job was stopped")
     return (
         f"shardwise: rank {first.rank} (local rank {first.local_rank}, pid {first.pid}) failed first, with "
-        f"{first.how()}; its traceback is above. The job was stopped"
-        + (f" (other ranks ended with {rest})." if rest else ".")
+        f"{first.how()}{first.cause()}" + (f"; its traceback is {where}" if first.traceback else "")
+        + f". {stopped}" + (f" (other ranks ended with {rest})." if rest else ".")
     )
 
 
@@ -129,6 +139,8 @@ def run_agent(plan: LocalLaunch) -> None:
     Workers start through ``bootstrap.py`` and learn this process's pid, so that they stop themselves if it
     is killed (see [Note: orphaned ranks] in ``watchdog.py``).
     """
+    if plan.venv_script:
+        os.environ.update(sourced_env(plan.venv_script))
     if plan.nproc > 1:
         # torchrun's own default for several workers, set here to skip its multi-line banner.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -138,6 +150,8 @@ def run_agent(plan: LocalLaunch) -> None:
     if plan.pid_file:
         os.environ[bootstrap.PID_FILE_VAR] = plan.pid_file
         bootstrap.note_pid("agent")
+    if plan.bind_cores:
+        os.environ[affinity.BIND_VAR] = plan.bind_cores
     if plan.rdzv_backend == "c10d":
         # [Note: fresh store per round] By default the c10d agents share one TCPStore with their workers for
         # the whole job, so a restarted rank can read the gloo address its dead predecessor published and fail
@@ -146,13 +160,26 @@ def run_agent(plan: LocalLaunch) -> None:
     torchrun.run(torchrun_args(in_bootstrap(plan)))
 
 
+def sourced_env(script: str) -> dict[str, str]:
+    """The variables that sourcing ``script`` in bash sets or changes (e.g. a venv's ``bin/activate``)."""
+    result = subprocess.run(["bash", "-c", '. "$1" >&2 && env -0', "bash", os.path.abspath(script)],
+                            capture_output=True, timeout=120)
+    if result.returncode != 0:
+        said = result.stderr.decode(errors="replace").strip()[-500:]
+        raise EnvFileError(f"--venv_script {script}: sourcing it in bash failed (exit {result.returncode})"
+                           + (f": {said}" if said else "") + ". Fix the script, or leave --venv_script out.")
+    pairs = (item.split("=", 1) for item in result.stdout.decode(errors="replace").split("\0") if "=" in item)
+    return {k: v for k, v in pairs if k not in BASH_OWN_VARS and os.environ.get(k) != v}
+
+
 def launch_local(plan: LocalLaunch) -> int:
     """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
     try:
         run_agent(plan)
     except ChildFailedError as error:
         failures = from_child_failed(error, socket.gethostname())
-        print(describe_failure(failures), file=sys.stderr, flush=True)
+        print(describe_failure(failures, plan.each_rank_log, one_of_nodes=plan.nnodes != "1"), file=sys.stderr,
+              flush=True)
         return first_failure(failures).exit_code()
     except SignalException as stop:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the workers
         print(f"shardwise: stopped by {stop.sigval.name}; all ranks were stopped.", file=sys.stderr, flush=True)
@@ -160,15 +187,11 @@ def launch_local(plan: LocalLaunch) -> int:
     return 0
 
 
-def pick_default_master_port() -> int:
+def pick_default_master_port(log_level: str = "info") -> int:
     """The default port 29500, or a free one (said on stderr) when something already listens there."""
     if port_is_free(DEFAULT_MASTER_PORT):
         return DEFAULT_MASTER_PORT
     port = free_port()
-    print(
-        f"shardwise: master port {DEFAULT_MASTER_PORT} is in use on this machine; using free port {port} "
-        "(pass --master_port to choose one).",
-        file=sys.stderr,
-        flush=True,
-    )
+    say(f"master port {DEFAULT_MASTER_PORT} is in use on this machine; using free port {port} "
+        "(pass --master_port to choose one).", "warning", log_level)
     return port

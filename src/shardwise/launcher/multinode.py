@@ -18,7 +18,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from shardwise.launcher import netutil, runners
 from shardwise.launcher.failures import Failure, first_failure
 from shardwise.launcher.jobspec import JobSpec
 from shardwise.launcher.lifeline import LifelineServer
+from shardwise.launcher.messages import say
 
 CAUSE_GRACE_S = 5.0  # after a "connection closed"-type failure, how long to wait for the report of its cause
 STOP_GRACE_S = 20.0  # after closing the lifelines, how long agents get to stop their ranks before we kill runners
@@ -42,10 +42,13 @@ class MultiNodeLaunch:
     env: dict[str, str]
     launcher_args: tuple[str, ...] = ()
     ssh_port: int | None = None
+    venv_script: str | None = None  # ssh/pdsh: sourced on every node before its agent starts
+    comment: str = ""  # slurm: srun --comment
+    account: str = ""  # slurm: srun --account
+    log_level: str = "info"  # which of the launcher's own lines to print (messages.py)
 
-
-def say(message: str) -> None:
-    print(f"shardwise: {message}", file=sys.stderr, flush=True)
+    def say(self, message: str, level: str = "error") -> None:
+        say(message, level, self.log_level)
 
 
 class Job:
@@ -103,8 +106,8 @@ class Job:
         if self.plan.runner != "ssh" or self.restarts >= (spec.elastic.max_restarts if spec.elastic else 0):
             return
         self.restarts += 1
-        say(f"node {node} ({spec.nodes[node][0]}) was lost; starting its agent again to rejoin "
-            f"(restart {self.restarts} of {spec.elastic.max_restarts}).")
+        self.plan.say(f"node {node} ({spec.nodes[node][0]}) was lost; starting its agent again to rejoin "
+            f"(restart {self.restarts} of {spec.elastic.max_restarts}).", "warning")
         index = next(i for i, c in enumerate(self.commands) if c.node == node)
         self.procs[index] = self._start(self.commands[index])
 
@@ -153,24 +156,24 @@ class Job:
         # A lost agent explains its peers' "connection closed" failures (see [Note: first failure]).
         if first is not None and not (first.consequence and self.lost):
             tail = first.traceback_tail()
-            say(f"{first.summary()}. The job was stopped on all {nodes} node(s)."
-                + (f"\nTraceback of rank {first.rank}:\n{tail}" if tail else ""))
+            self.plan.say(f"{first.summary()}. The job was stopped on all {nodes} node(s)."
+                          + (f"\nTraceback of rank {first.rank}:\n{tail}" if tail else ""))
             return first.exit_code()
         if self.lost and (not self.elastic or not self.done):
             node = self.lost[0]
-            say(f"the node agent of node {node} ({self.plan.spec.nodes[node][0]}) was lost (killed, or its machine "
-                f"went down); the job was stopped on all {nodes} node(s).")
+            self.plan.say(f"the node agent of node {node} ({self.plan.spec.nodes[node][0]}) was lost (killed, or its "
+                          f"machine went down); the job was stopped on all {nodes} node(s).")
             return 1
         if self.signal is not None:
-            say(f"stopped by {signal.Signals(self.signal).name}; the job was stopped on all {nodes} node(s).")
+            self.plan.say(f"stopped by {signal.Signals(self.signal).name}; the job was stopped on all {nodes} node(s).")
             return 128 + self.signal
         if self.stop_reason:
-            say(f"{self.stop_reason}; the job was stopped on all {nodes} node(s).")
+            self.plan.say(f"{self.stop_reason}; the job was stopped on all {nodes} node(s).")
             return 1
         bad = [code for code in (p.returncode for p in self.procs) if code]
         if self.done and (self.elastic or not bad):
             return 0
-        say(f"the {self.plan.runner} command(s) ended without every node reporting; exit codes {bad or [0]}.")
+        self.plan.say(f"the {self.plan.runner} command(s) ended without every node reporting; exit codes {bad or [0]}.")
         return abs(bad[0]) if bad else 1
 
 
@@ -188,7 +191,7 @@ def plan_spec(plan: MultiNodeLaunch, server: LifelineServer, token: str) -> Mult
 
 def agent_commands(plan: MultiNodeLaunch) -> list[runners.Command]:
     build = runners.ssh_commands if plan.runner == "ssh" else runners.pdsh_commands
-    return build(plan.spec, plan.python, plan.cwd, plan.env, plan.launcher_args, plan.ssh_port)
+    return build(plan.spec, plan.python, plan.cwd, plan.env, plan.launcher_args, plan.ssh_port, plan.venv_script)
 
 
 def launch_agents(plan: MultiNodeLaunch) -> int:
@@ -217,10 +220,11 @@ def scheduler_commands(plan: MultiNodeLaunch, hostfile_dir: str) -> list[runners
         path = os.path.join(hostfile_dir, "hostfile")
         with open(path, "w") as f:
             f.write(runners.openmpi_hostfile(spec))
-        return runners.openmpi_commands(spec, plan.python, env, path, plan.launcher_args, as_root=os.geteuid() == 0)
+        return runners.openmpi_commands(spec, plan.python, env, path, plan.launcher_args, as_root=os.geteuid() == 0,
+                                        ssh_port=plan.ssh_port)
     if plan.runner == "mpich":
         return runners.mpich_commands(spec, plan.python, env, plan.launcher_args)
-    return runners.slurm_commands(spec, plan.python, env, plan.launcher_args)
+    return runners.slurm_commands(spec, plan.python, env, plan.launcher_args, plan.comment, plan.account)
 
 
 def launch_scheduler(plan: MultiNodeLaunch) -> int:
@@ -234,7 +238,7 @@ def launch_scheduler(plan: MultiNodeLaunch) -> int:
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
     if code:
-        say(f"{command.argv[0]} exited with {code}; the failing rank's error is above.")
+        plan.say(f"{command.argv[0]} exited with {code}; the failing rank's error is above.")
     return code
 
 
@@ -248,8 +252,8 @@ def require_tool(runner: str) -> None:
 def launch_multinode(plan: MultiNodeLaunch) -> int:
     require_tool(plan.runner)
     nodes = plan.spec.nodes
-    say(f"{plan.spec.world_size} process(es) on {len(nodes)} node(s) ({', '.join(h for h, _ in nodes)}) via "
-        f"{plan.runner}; master {plan.spec.master_addr}:{plan.spec.master_port}")
+    plan.say(f"{plan.spec.world_size} process(es) on {len(nodes)} node(s) ({', '.join(h for h, _ in nodes)}) via "
+             f"{plan.runner}; master {plan.spec.master_addr}:{plan.spec.master_port}", "info")
     if plan.runner in ("ssh", "pdsh"):
         return launch_agents(plan)
     return launch_scheduler(plan)

@@ -56,6 +56,14 @@ def interface_towards(host: str) -> str | None:
         return None
 
 
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine (its name, a loopback or an own address); OSError if it does not resolve."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    address = resolve(host)
+    return address.startswith("127.") or address in interface_addresses().values()
+
+
 def port_is_free(port: int) -> bool:
     """Whether a TCP server could listen on ``port`` on all interfaces of this machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

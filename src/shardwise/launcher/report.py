@@ -1,11 +1,13 @@
 """``shardwise report``: versions, devices, and which optional pieces actually work here, as a table.
 
 Every optional piece is *tried* (a one-step fused CPU Adam, a tiny flex-attention call, ...), not just
-imported, so "yes" means it ran. ``--json`` prints the same as JSON.
+imported, so "yes" means it ran. ``--json`` prints the same as JSON. :func:`ds_report_main` is the same
+report for the ``ds_report`` command of the compatibility distribution, with DeepSpeed's two flags.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import platform
@@ -85,21 +87,43 @@ def _tools() -> list[tuple[str, str]]:
             for tool in ("ssh", "pdsh", "mpirun", "srun", "kubectl")]
 
 
-def collect() -> list[tuple[str, str]]:
-    rows = _versions() + _devices()
-    rows += [("CPU Adam", _try(_cpu_adam)), ("flex attention", _try(_flex_attention)), ("async I/O (NVMe)", _try(_async_io))]
-    return rows + _tools()
+def _pieces() -> list[tuple[str, str]]:
+    return [("CPU Adam", _try(_cpu_adam)), ("flex attention", _try(_flex_attention)),
+            ("async I/O (NVMe)", _try(_async_io))]
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: shardwise report [--json]\n\n" + (__doc__ or "").strip())
-        return 0
-    rows = collect()
-    if "--json" in argv:
+def collect(pieces: bool = True) -> list[tuple[str, str]]:
+    return _versions() + _devices() + (_pieces() if pieces else []) + _tools()
+
+
+def _print(rows: list[tuple[str, str]], as_json: bool) -> int:
+    if as_json:
         print(json.dumps(dict(rows), indent=1))
         return 0
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     sys.stdout.flush()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: shardwise report [--json]\n\n" + (__doc__ or "").strip())
+        return 0
+    return _print(collect(), "--json" in argv)
+
+
+def ds_report_main(argv: list[str] | None = None) -> int:
+    """Entry point for a ``ds_report`` console script: DeepSpeed's flags, shardwise's report."""
+    parser = argparse.ArgumentParser(prog="ds_report", description="Versions, devices and which optional pieces "
+                                     "of shardwise (standing in for DeepSpeed) work on this machine.")
+    parser.add_argument("--hide_operator_status", action="store_true",
+                        help="leave out the optional pieces (CPU Adam, flex attention, async I/O), which are tried")
+    parser.add_argument("--hide_errors_and_warnings", action="store_true",
+                        help="say 'no' for a piece that does not work, without the error")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    rows = collect(pieces=not args.hide_operator_status)
+    if args.hide_errors_and_warnings:
+        rows = [(name, "no" if value.startswith("no (") else value) for name, value in rows]
+    return _print(rows, args.json)

@@ -44,33 +44,35 @@ def _quoted_env(env: Mapping[str, str]) -> list[str]:
     return words
 
 
-def remote_command(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str], node_arg: str) -> str:
-    """The shell line a node runs: cd, set the carried env, exec the node agent."""
+def remote_command(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str], node_arg: str,
+                   venv_script: str | None = None) -> str:
+    """The shell line a node runs: cd, source ``--venv_script`` if any, set the carried env, exec the node agent."""
+    source = [".", shlex.quote(venv_script), "&&"] if venv_script else []
     return " ".join([
-        "cd", shlex.quote(cwd), "&&", "exec", "env", *_quoted_env(env),
+        "cd", shlex.quote(cwd), "&&", *source, "exec", "env", *_quoted_env(env),
         shlex.quote(python), "-u", "-m", AGENT_MODULE, spec.encode(), shlex.quote(node_arg),
     ])
 
 
-def ssh_commands(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str],
-                 launcher_args: Sequence[str] = (), ssh_port: int | None = None) -> list[Command]:
+def ssh_commands(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str], launcher_args: Sequence[str] = (),
+                 ssh_port: int | None = None, venv_script: str | None = None) -> list[Command]:
     options = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "ServerAliveInterval=10"]
     options += ["-p", str(ssh_port)] if ssh_port else []
     return [
         Command(["ssh", *options, *launcher_args, host,
-                 remote_command(spec, python, cwd, env, f"--node_rank={rank}")], node=rank)
+                 remote_command(spec, python, cwd, env, f"--node_rank={rank}", venv_script)], node=rank)
         for rank, (host, _) in enumerate(spec.nodes)
     ]
 
 
-def pdsh_commands(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str],
-                  launcher_args: Sequence[str] = (), ssh_port: int | None = None) -> list[Command]:
+def pdsh_commands(spec: JobSpec, python: str, cwd: str, env: Mapping[str, str], launcher_args: Sequence[str] = (),
+                  ssh_port: int | None = None, venv_script: str | None = None) -> list[Command]:
     """pdsh replaces ``%h`` with each host's name as listed, so each agent finds its node rank by name."""
     hosts = [host for host, _ in spec.nodes]
     ssh_args = " ".join(["-o BatchMode=yes", *([f"-p {ssh_port}"] if ssh_port else []),
                          os.environ.get("PDSH_SSH_ARGS_APPEND", "")]).strip()
     argv = ["pdsh", "-S", "-f", str(len(hosts)), "-w", ",".join(hosts), *launcher_args,
-            remote_command(spec, python, cwd, env, "--host=%h")]
+            remote_command(spec, python, cwd, env, "--host=%h", venv_script)]
     return [Command(argv, env={"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": ssh_args})]
 
 
@@ -100,11 +102,13 @@ def scheduler_env(spec: JobSpec, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def openmpi_commands(spec: JobSpec, python: str, env: Mapping[str, str], hostfile: str,
-                     launcher_args: Sequence[str] = (), as_root: bool = False) -> list[Command]:
-    """``hostfile`` is written by the caller in Open MPI's format (``openmpi_hostfile``)."""
+                     launcher_args: Sequence[str] = (), as_root: bool = False, ssh_port: int | None = None) -> list[Command]:
+    """``hostfile`` is written by the caller in Open MPI's format (``openmpi_hostfile``); Open MPI reaches the
+    nodes with ssh, whose port goes in its ``plm_rsh_args``."""
     _no_slot_choice(spec, "openmpi")
     exports = [w for k, v in sorted(scheduler_env(spec, env).items()) for w in ("-x", f"{k}={v}")]
-    argv = ["mpirun", "-n", str(spec.world_size), "--hostfile", hostfile, "--mca", "btl", "^openib",
+    port = ["--mca", "plm_rsh_args", f"-p {ssh_port}"] if ssh_port else []
+    argv = ["mpirun", "-n", str(spec.world_size), "--hostfile", hostfile, "--mca", "btl", "^openib", *port,
             *(["--allow-run-as-root"] if as_root else []), *exports, *launcher_args, *rank_command(spec, python)]
     return [Command(argv)]
 
@@ -122,11 +126,13 @@ def mpich_commands(spec: JobSpec, python: str, env: Mapping[str, str], launcher_
     return [Command(argv)]
 
 
-def slurm_commands(spec: JobSpec, python: str, env: Mapping[str, str], launcher_args: Sequence[str] = ()) -> list[Command]:
+def slurm_commands(spec: JobSpec, python: str, env: Mapping[str, str], launcher_args: Sequence[str] = (),
+                   comment: str = "", account: str = "") -> list[Command]:
     """srun passes our environment on (its default ``--export=ALL``), so the carried env goes in ``env``."""
     _no_slot_choice(spec, "slurm")
     per_node = _uniform_nproc(spec, "slurm")
+    tags = ([f"--comment={comment}"] if comment else []) + ([f"--account={account}"] if account else [])
     argv = ["srun", "-n", str(spec.world_size), f"--ntasks-per-node={per_node}",
-            f"--nodelist={','.join(h for h, _ in spec.nodes)}", "--kill-on-bad-exit=1", *launcher_args,
+            f"--nodelist={','.join(h for h, _ in spec.nodes)}", "--kill-on-bad-exit=1", *tags, *launcher_args,
             *rank_command(spec, python)]
     return [Command(argv, env=scheduler_env(spec, env))]
