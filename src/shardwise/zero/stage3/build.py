@@ -14,6 +14,8 @@ import torch
 
 from ...distributed import Collectives, Group
 from ..flat_param import BucketLayout, plan_buckets
+from .ds_attributes import mark_partitioned
+from .leaf import z3_leaf_module
 from .registry import EXTERNAL_PARAMS, INIT_SHARD_OF, UNIT_OF
 from .unit import LiveParams, ParamUnit
 
@@ -99,16 +101,29 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
                      aliased=aliased and not home.offloaded, offload=offload, device=device)
     for p in params:
         UNIT_OF[p] = unit
+        mark_partitioned(p)
     return unit
 
 
+def _read_by(module: torch.nn.Module, leaf: bool) -> list[torch.nn.Parameter]:
+    """The parameters `module`'s forward may read: its own (its subtree's for a leaf) and registered external ones."""
+    modules = list(module.modules()) if leaf else [module]
+    return [p for m in modules for p in [*m.parameters(recurse=False), *EXTERNAL_PARAMS.get(m, [])]]
+
+
 def units_by_module(module: torch.nn.Module, units: list[ParamUnit]) -> dict[torch.nn.Module, list[ParamUnit]]:
-    """The units each module needs: those owning its direct parameters and its registered external ones."""
+    """The units each module needs: those owning its direct parameters and its registered external ones; a leaf
+    module (`leaf.py`) needs its whole subtree's, and its descendants get no entry (no hooks)."""
     needs: dict[torch.nn.Module, list[ParamUnit]] = {}
+    inside_leaf: set[int] = set()
     for mod in module.modules():
-        params = list(mod.parameters(recurse=False)) + EXTERNAL_PARAMS.get(mod, [])
+        if id(mod) in inside_leaf:
+            continue
+        leaf = z3_leaf_module(mod)
+        if leaf:
+            inside_leaf.update(id(m) for m in mod.modules())
         found: list[ParamUnit] = []
-        for p in params:
+        for p in _read_by(mod, leaf):
             unit = UNIT_OF.get(p)
             if unit is not None and all(unit is not u for u in found):
                 found.append(unit)

@@ -10,6 +10,12 @@ Every rank runs the init functions, in the order Hugging Face does, so random nu
 step across ranks (later modules built inside `Init` must draw the same values everywhere) and a model built
 after `torch.manual_seed(s)` equals one built without `Init`; rank 0's values are then broadcast, so ranks
 seeded differently still agree.
+
+transformers' own ZeRO-3 path (`from_pretrained` / `_from_config` under a stage-3 `HfDeepSpeedConfig`) never
+reaches this: it builds inside `no_init_weights()`, which makes `init_weights` a no-op, then initialises with
+its `initialize_weights_zero3`. The patch is for models a user builds inside `zero.Init()` directly, which
+would otherwise keep torch's default init and fail on the padding row (tests/distributed/test_zero3_models.py,
+`test_hugging_face_initialisation_inside_zero_init_matches_a_plain_build`, fails without it).
 """
 
 from __future__ import annotations

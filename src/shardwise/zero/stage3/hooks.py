@@ -6,14 +6,20 @@ Release rules: after a module's forward its units are released unless they are n
 (`max_reuse_distance`); in backward, a unit with trainable parameters is released when all its
 gradients have been handed to the gradient buckets, a frozen unit when its module's backward has
 produced the gradients of its inputs, and whatever is left at the end of backward.
+
+The root module is always hooked, so that some forward is running whenever the model runs: a parameter
+read by a forward that does not hold it is registered with the innermost running module (`reads.py`).
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .reads import partitioned_in_frames, unwatch, watch
 from .trace import ExecutionTrace
 from .unit import LiveParams, ParamUnit, UnitState
 
@@ -42,9 +48,19 @@ class _AfterBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+@dataclass(frozen=True)
+class FailedForward:
+    """What a forward that raised had read while partitioned (see `Stage3Hooks._note_failure`)."""
+
+    error_id: int
+    module: str
+    partitioned: list[str]
+
+
 class Stage3Hooks:
     def __init__(self, root: torch.nn.Module, units_of: dict[torch.nn.Module, list[ParamUnit]], live: LiveParams,
                  prefetch_numel: int, max_live: int, max_reuse_distance: int):
+        units_of.setdefault(root, [])
         self.root, self.units_of, self.live = root, units_of, live
         self.prefetch_numel, self.max_live, self.max_reuse = prefetch_numel, max_live, max_reuse_distance
         self.trace = ExecutionTrace()
@@ -54,15 +70,30 @@ class Stage3Hooks:
         self._bwd_users: dict[int, int] = {}
         self._all_ahead_fetched: tuple[int, int] | None = None
         """(pass, releases) when a prefetch scan last reached the end of the pass with every unit ahead gathered."""
+        self.running: list[torch.nn.Module] = []
+        """The hooked modules whose forward is under way, outermost first."""
+        self.failure: FailedForward | None = None
+        self._names = {id(m): name or "<root>" for name, m in root.named_modules()}
+        self._unit_of = {id(p): u for units in units_of.values() for u in units for p in u.params}
         self._handles = []
         for module in units_of:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
-        if root not in units_of:
-            self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._watched = [m for m in root.modules() if any(id(p) in self._unit_of for p in m.parameters(recurse=False))]
+        watch(self._watched, self.on_read)
 
-    def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        self.trace.start_pass(torch.is_grad_enabled())
+    def on_read(self, param: torch.nn.Parameter) -> None:
+        """A forward reads `param` by name: if no running forward holds its unit, the innermost one takes it
+        as an external parameter from now on, and it is gathered now ([Note: reads outside a module's own
+        units] in `reads.py`)."""
+        if not self.running:
+            return
+        unit = self._unit_of.get(id(param))
+        if unit is None or unit.users > 0 or unit.persistent:
+            return
+        self.units_of[self.running[-1]].append(unit)
+        unit.users += 1
+        unit.wait()
 
     def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
         self.trace.record(event, units)
@@ -99,6 +130,8 @@ class Stage3Hooks:
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         if module is self.root:
             self.trace.start_pass(torch.is_grad_enabled())
+            self.failure = None
+        self.running.append(module)
         units = self.units_of[module]
         for unit in units:
             unit.users += 1
@@ -115,6 +148,11 @@ class Stage3Hooks:
         return tuple(args), kwargs
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        error = sys.exc_info()[1]  # this hook runs even when the forward raised (always_call)
+        if error is not None:
+            self._note_failure(module, error)
+        if self.running and self.running[-1] is module:
+            self.running.pop()
         for unit in self.units_of[module]:
             unit.users -= 1
             if unit.users <= 0 and not self.in_backward and not self.trace.reused_within(unit, self.max_reuse):
@@ -124,6 +162,20 @@ class Stage3Hooks:
             if needs_grad:
                 torch.autograd.graph.register_multi_grad_hook(needs_grad, lambda _: self._pre_backward(module), mode="any")
         return None
+
+    def _note_failure(self, module: torch.nn.Module, error: BaseException) -> None:
+        """Before anything is released: which parameters the failing frames held while they were partitioned.
+        The innermost failing module records it; the enclosing ones see the same error and keep that record."""
+        if self.failure is not None and self.failure.error_id == id(error):
+            return
+
+        def partitioned(t: torch.Tensor) -> bool:
+            unit = self._unit_of.get(id(t))
+            return unit is not None and unit.state is not UnitState.FULL and any(p is t for p in unit.params)
+
+        found = partitioned_in_frames(error.__traceback__, partitioned)
+        names = [self._unit_of[id(t)].name_of(t) for t in found]
+        self.failure = FailedForward(id(error), self._names.get(id(module), type(module).__name__), names)
 
     def _pre_backward(self, module: torch.nn.Module) -> None:
         self._bwd_users[id(module)] = self._bwd_users.get(id(module), 0) + 1
@@ -145,3 +197,4 @@ class Stage3Hooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        unwatch(self._watched)

@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 from ... import accelerator
 from ...distributed import Collectives, Group, init_distributed
+from .ds_attributes import mark_partitioned
 from .hf_init import partitioned_hf_initialisation
 from .registry import INIT_SHARD_OF, UNIT_OF, InitShard
+from .unit import held
 
 
 def _subclasses(cls: type) -> set[type]:
@@ -106,6 +108,7 @@ class Init(contextlib.ContextDecorator):
             entry = InitShard(p.shape, p.numel(), shard, self.group, self.comm)
             entry.write_back(p.detach())
             INIT_SHARD_OF[p] = entry
+            mark_partitioned(p)
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
 
 
@@ -114,45 +117,54 @@ def is_partitioned(param: torch.nn.Parameter) -> bool:
 
 
 class GatheredParameters(contextlib.AbstractContextManager):
-    """Whole parameters inside the block; with `modifier_rank`, that rank's changes are kept everywhere.
+    """Whole parameters inside the block; with `modifier_rank`, that rank's changes are kept everywhere, without
+    it changes are dropped (as in DeepSpeed).
 
-    A collective: every rank must enter it with the same parameters. Parameters that are not
-    partitioned pass through untouched.
+    A collective: every rank must enter it with the same parameters. Parameters that are not partitioned pass
+    through untouched. Tensors taken from the parameters inside the block (`p.data`, `p.detach()`) stay valid
+    after it: the gathered storage is left to them rather than freed in place.
     """
 
     def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
                  fwd_module: Any = None, enabled: bool = True):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self.params = [p for p in params if is_partitioned(p)] if enabled else []
+        self.params: list[torch.nn.Parameter] = []
+        for p in params if enabled else []:
+            if is_partitioned(p) and all(p is not q for q in self.params):
+                self.params.append(p)
         self.modifier_rank = modifier_rank
         self._units: list[Any] = []
+        self._gathered: list[tuple[torch.nn.Parameter, torch.dtype]] = []  # zero.Init parameters this block gathered
+        self._hold: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def __enter__(self) -> GatheredParameters:
+        self._units = []
         for p in self.params:
             unit = UNIT_OF.get(p)
-            if unit is not None:
-                if all(unit is not u for u in self._units):
-                    self._units.append(unit)
-                    unit.users += 1
-                    unit.gather_async()
-            else:
-                p.data = INIT_SHARD_OF[p].gather().clone()
-        for unit in self._units:
-            unit.wait()
+            if unit is not None and all(unit is not u for u in self._units):
+                self._units.append(unit)
+        self._hold = held(self._units, keep_copies=True)
+        self._hold.__enter__()
+        for p in self.params:
+            entry = INIT_SHARD_OF.get(p)
+            if entry is not None and not entry.gathered:  # else an enclosing block holds it
+                self._gathered.append((p, p.dtype))
+                p.data = entry.gather().to(p.dtype)  # the shard is fp32; the parameter keeps its dtype
+                entry.gathered = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with torch.no_grad():
             if self.modifier_rank is not None:
                 self._broadcast_changes()
-            for p in self.params:
-                if p in INIT_SHARD_OF:
-                    INIT_SHARD_OF[p].write_back(p.data)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            for unit in self._units:
-                unit.users -= 1
-                if unit.users <= 0:
-                    unit.release()
+            for p, dtype in self._gathered:
+                entry = INIT_SHARD_OF[p]
+                if self.modifier_rank is not None:
+                    entry.write_back(p.data)
+                entry.gathered = False
+                p.data = torch.empty(0, dtype=dtype, device=p.device)
+            self._gathered = []
+        self._hold.__exit__(*exc)
 
     def _broadcast_changes(self) -> None:
         for p in self.params:

@@ -2,8 +2,8 @@
 
 `GatheredParameters(params)` and `register_external_parameter(module, param)` are DeepSpeed's API and
 receive bare parameters, with no engine in reach, so this table is the one deliberate module-level
-registry in shardwise. It holds weak references only: nothing is attached to `nn.Parameter`, and an
-entry dies with its parameter.
+registry in shardwise. It holds weak references only, and an entry dies with its parameter. (DeepSpeed's
+`ds_*` attributes, which scripts read off a parameter, are computed from these tables: `ds_attributes.py`.)
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class InitShard:
     """This rank's `ceil(numel / world)` elements of the flattened parameter (zero-padded), in fp32."""
     group: Group
     comm: Collectives
+    gathered: bool = False
+    """Whole inside a `GatheredParameters` block (the parameter's data is then the gathered copy)."""
 
     def gather(self) -> torch.Tensor:
         """The whole parameter (a collective: every rank of the group must call it)."""
@@ -47,6 +49,7 @@ class InitShard:
 UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> ParamUnit
 INIT_SHARD_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> InitShard
 EXTERNAL_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Module -> list[Parameter]
+DS_ID_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> its DeepSpeed `ds_id`, kept from zero.Init to the engine
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

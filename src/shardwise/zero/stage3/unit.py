@@ -5,14 +5,17 @@ GATHERING (an all-gather into `full` is in flight) or FULL (the module's paramet
 `full`). Every transition is checked. Releasing frees `full`'s storage (resized to 0 bytes, so views
 that autograd saved for backward stay attached and see the data again after the next gather) and
 points each parameter at an empty placeholder, so that reading a released parameter is a shape
-error rather than a read of freed memory.
+error rather than a read of freed memory. A release that ends a `GatheredParameters` block instead hands
+the gathered storage over to whatever still references it (the caller's `p.data` copies: freed with them)
+and takes a fresh one (`keep_copies`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -77,16 +80,36 @@ class ParamUnit:
 
     def __post_init__(self) -> None:
         self.device = self.device or self.shard.device
-        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
-        self._views = [self.full[s.offset : s.offset + s.numel].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
+        self._new_full()
         self._placeholders = [torch.empty(0, dtype=self.shard.dtype, device=self.device) for _ in self.params]
-        self.full.untyped_storage().resize_(0)
         for p, empty in zip(self.params, self._placeholders):
             p.data = empty
+
+    def _new_full(self) -> None:
+        """A fresh (storage-less until gathered) flat buffer, and the parameters' views into it."""
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
+        self._views = [self.full[s.offset : s.offset + s.numel].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
+        self.full.untyped_storage().resize_(0)
 
     @property
     def numel(self) -> int:
         return self.layout.padded_numel
+
+    def index_of(self, param: torch.Tensor) -> int:
+        return next(i for i, p in enumerate(self.params) if p is param)
+
+    def name_of(self, param: torch.Tensor) -> str:
+        return self.names[self.index_of(param)]
+
+    def whole_shape(self, param: torch.Tensor) -> torch.Size:
+        return self.shapes[self.index_of(param)]
+
+    def local_part(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of `param` in the stored slice (flat; empty when none fall in it)."""
+        slot = self.layout.slots[self.index_of(param)]
+        lo, hi = self.layout.shard_range(self.group.rank, self.group.size)
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        return self.shard[start - lo : max(start, end) - lo]
 
     def _expect(self, *states: UnitState) -> None:
         if self.state not in states:
@@ -119,16 +142,38 @@ class ParamUnit:
         if self.master is not None and not self.aliased:
             self.home.store(self.index, self.shard, self.master.detach().to(self.shard.dtype))
 
-    def release(self, force: bool = False) -> None:
-        """Free the full parameters (persistent units keep them unless `force`)."""
+    def release(self, force: bool = False, keep_copies: bool = False) -> None:
+        """Free the full parameters (persistent units keep them unless `force`). With `keep_copies` the
+        gathered storage is left to the tensors that still reference it instead of being freed in place."""
         if self.state is UnitState.SHARDED or (self.persistent and not force):
             return
         self._expect(UnitState.FULL)
         for p, empty in zip(self.params, self._placeholders):
             p.data = empty
-        self.full.untyped_storage().resize_(0)
+        if keep_copies:
+            self._new_full()
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         self.users = 0
         if not self.persistent:
             self.live.live -= self.numel
             self.live.releases += 1
+
+
+@contextlib.contextmanager
+def held(units: list[ParamUnit], keep_copies: bool = False) -> Iterator[None]:
+    """The units gathered for the duration (a collective: every rank must hold the same units in the same
+    order); afterwards each is released unless something else still holds it."""
+    for unit in units:
+        unit.users += 1
+        unit.gather_async()
+    try:
+        for unit in units:
+            unit.wait()
+        yield
+    finally:
+        for unit in units:
+            unit.users -= 1
+            if unit.users <= 0:
+                unit.release(keep_copies=keep_copies)
