@@ -116,6 +116,16 @@ def train_steps(engine: Any, start: int, steps: int) -> list[float]:
     return losses
 
 
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """Whole copies of the model's state, on every rank, at any stage. (At ZeRO-3 `module.state_dict()`
+    returns what this rank holds, empty placeholders for partitioned parameters; inside GatheredParameters,
+    entered on every rank, it holds every parameter.)"""
+    import shardwise
+
+    with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
 def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine."""
     import shardwise
@@ -123,8 +133,7 @@ def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[st
     model = make_model()
     engine, _, _, _ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses = train_steps(engine, 0, steps)
-    params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
-    return losses, params, engine
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}, engine
 
 
 def assert_close_run(losses, params, ref_losses, ref_params, rtol: float) -> None:

@@ -38,7 +38,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no reference 
     )
 
 from tests.harness import run_distributed  # noqa: E402
-from tests.parity import make_model, micro_batch, param_groups  # noqa: E402
+from tests.parity import full_state_dict, make_model, micro_batch, param_groups  # noqa: E402
 
 WORLD = 2
 STEPS = 12
@@ -135,7 +135,7 @@ def _train_one(ds: Any, config: dict[str, Any], grouping: str) -> dict[str, Any]
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (accum * world))
-    final = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    final = {k: v.float() for k, v in full_state_dict(engine).items()}
     return {"losses": losses, "lrs": lrs, "betas": betas, "params": final,
             "optimizer": type(optimizer).__name__, "scheduler": type(scheduler).__name__}
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import shardwise
 from tests.harness import RankFailure, run_distributed
-from tests.parity import assert_close_run, ds_config, engine_run, make_model, micro_batch, oracle, param_groups
+from tests.parity import (assert_close_run, ds_config, engine_run, full_state_dict, make_model, micro_batch, oracle,
+                          param_groups)
 
 STEPS = 20
 
@@ -97,7 +98,7 @@ def _no_sync_run():
         engine.backward(loss)
         engine.step()
         losses.append(calls)
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, losses
+    return full_state_dict(engine), losses
 
 
 def test_no_sync_accumulates_locally_then_reduces():

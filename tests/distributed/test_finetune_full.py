@@ -15,6 +15,7 @@ import torch
 from tests.distributed.test_finetune_lora import (  # noqa: F401 - model_dirs is a fixture
     CLIP, OPTIMIZERS, WORLD, _args, _examples, _oracle, _rank_batches, model_dirs)
 from tests.harness import run_distributed
+from tests.parity import full_state_dict
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -63,7 +64,7 @@ def _full_run(model_dir: Path, tmp: Path, offload: str, checkpointing: dict | No
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     examples = _examples(model_dir, 64)
     losses = [train.train_step(engine, _rank_batches(examples, s))[0] for s in range(STEPS)]
-    return losses, {k: v.clone() for k, v in engine.module.state_dict().items()}, len(recomputed)
+    return losses, full_state_dict(engine), len(recomputed)
 
 
 # The config's activation_checkpointing section (cpu_checkpointing: the recompute inputs kept in host

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
+from tests.parity import full_state_dict
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -141,7 +142,7 @@ def _lora_run(model_dir: Path, kind: str, tmp: Path, optimizer: str, zero: dict 
     frozen_grads = [p.grad for p in engine.module.parameters() if not p.requires_grad]
     return {
         "losses": losses, "probe": (before, after), "base_sizes": base_sizes, "lora_numel": lora_numel,
-        "params": {k: v.clone() for k, v in engine.module.state_dict().items()},
+        "params": full_state_dict(engine),
         "state_entries": len(states),
         "state_numel": {key: sum(s[key].numel() for s in states) for key in states[0] if key != "step"},
         "frozen_grads_none": all(g is None for g in frozen_grads),

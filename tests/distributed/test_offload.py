@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import shardwise
 from tests.harness import run_distributed
-from tests.parity import ds_config, make_model, micro_batch, param_groups
+from tests.parity import ds_config, full_state_dict, make_model, micro_batch, param_groups
 
 STEPS = 10
 
@@ -39,7 +39,7 @@ def _run(zero, precision="fp32", steps=STEPS, reduce_bucket=1000):
             engine.backward(loss)
             engine.step()
         losses.append(loss.item())
-    return losses, {k: v.float().clone() for k, v in engine.module.state_dict().items()}, engine
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}, engine
 
 
 def _sweep(cases, nvme):

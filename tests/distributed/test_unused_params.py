@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import shardwise
 from tests.harness import run_distributed
-from tests.parity import DIM, VOCAB, TinyNet, assert_close_run, ds_config, global_batch, param_groups
+from tests.parity import DIM, VOCAB, TinyNet, assert_close_run, ds_config, full_state_dict, global_batch, param_groups
 
 STEPS, MICRO, ACCUM = 6, 2, 2
 
@@ -80,7 +80,7 @@ def _engine_run(stage: int):
             total += loss.detach()
         dist.all_reduce(total)
         losses.append(total.item() / (ACCUM * world))
-    return losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

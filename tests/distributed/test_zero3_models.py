@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import shardwise
 from tests.harness import run_distributed
+from tests.parity import full_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def _train(kind: str, lr: float, precision: dict):
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return losses, {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
@@ -139,7 +140,7 @@ def _stream_and_save(tmp):
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}})
     path = engine.save_16bit_model(tmp)
-    return {k: v.clone() for k, v in engine.module.state_dict().items()}, reference.state_dict(), path
+    return full_state_dict(engine), reference.state_dict(), path
 
 
 def test_streamed_load_into_partitioned_model_and_16bit_save(tmp_path):

@@ -1,4 +1,6 @@
-"""Consolidated 16-bit weights for inference or `from_pretrained` (one safetensors file)."""
+"""Consolidated weights: the whole state dict on rank 0 (DeepSpeed's `_zero3_consolidated_16bit_state_dict`,
+which Hugging Face's Trainer and accelerate call) and the 16-bit safetensors file for inference or
+`from_pretrained` written from it."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+
+from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +29,36 @@ def _untie(tensors: dict) -> dict:
     return out
 
 
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str) -> str | None:
+def consolidated_state_dict(engine: Any, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3's whole weights, in the training dtype on CPU, on rank 0; None on the other ranks.
+
+    A collective: every rank must call it. Keys are those of `module.state_dict()`; a tied parameter appears
+    under each of its names as one tensor, as DeepSpeed returns it.
+    """
+    gather = getattr(engine.strategy, "consolidated_state_dict", None)
+    if gather is None:
+        raise ValueError(f"_zero3_consolidated_16bit_state_dict: requires ZeRO stage 3; got stage "
+                         f"{engine.config.zero_optimization.stage}. Below stage 3 every rank holds whole weights: use "
+                         "engine.module.state_dict().")
+    return gather(exclude_frozen)
+
+
+def refuse_placeholders(state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+    """A save never writes a partitioned parameter's empty placeholder: raise if `state` holds one."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    empty = [name for name, t in state.items()
+             if t.numel() == 0 and name in params and getattr(params[name], "ds_numel", params[name].numel()) > 0]
+    if empty:
+        raise CheckpointError(f"save: {len(empty)} tensors are ZeRO-3 placeholders of partitioned parameters "
+                              f"({', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}); got empty tensors where "
+                              "the model has whole ones. Take the state dict from "
+                              "engine._zero3_consolidated_16bit_state_dict() called on every rank.")
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_frozen: bool = False) -> str | None:
     """Consolidated weights in the training dtype, as one safetensors file written by rank 0.
 
-    At stage 3 this gathers every parameter on every rank, so it runs only when
+    Every rank must call it. At stage 3 this gathers the model one module at a time, so it runs only when
     `stage3_gather_16bit_weights_on_model_save` is set (DeepSpeed's rule); otherwise it says so and
     returns None.
     """
@@ -37,9 +68,14 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str) -> str | No
                        "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (it gathers the whole "
                        "model on every rank), or use save_checkpoint, whose shards any layout can load.")
         return None
-    state = engine.module.state_dict()
+    if zero.stage == 3:
+        state = consolidated_state_dict(engine, exclude_frozen)
+    else:
+        frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {k: v for k, v in engine.module.state_dict().items() if not (exclude_frozen and k in frozen)}
     path = Path(save_dir) / save_filename
     if dist.get_rank() == 0:
+        refuse_placeholders(state, engine.module)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")
         save_file(_untie({k: v.detach().contiguous().cpu() for k, v in state.items()}), str(tmp))

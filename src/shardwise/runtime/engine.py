@@ -198,11 +198,23 @@ class Engine(torch.nn.Module):
             if policy is not None:
                 policy.close()
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
-        """Consolidated weights in the training dtype (safetensors), e.g. for `from_pretrained`."""
-        from ..checkpoint import save_16bit_model
+    # --- consolidated weights (DeepSpeed's names; Hugging Face's Trainer and accelerate call them at ZeRO-3) ---
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> str | None:
+        """Consolidated weights in the training dtype (safetensors), e.g. for `from_pretrained`; every rank calls it."""
+        from ..checkpoint.weights import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `stage3_gather_16bit_weights_on_model_save`: whether a model save may gather whole weights."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3's whole weights on rank 0 (None on the other ranks); every rank must call it."""
+        from ..checkpoint.weights import consolidated_state_dict
+
+        return consolidated_state_dict(self, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

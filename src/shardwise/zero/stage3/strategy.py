@@ -7,12 +7,16 @@ optimizer step the updated slices simply stay where they are: the next forward g
 
 `reduce_bucket_size` is not used at stage 3: a unit's gradients are reduce-scattered in one call as
 soon as they are complete, so the unit (a module's parameters) is the bucket.
+
+`module.state_dict()` does not communicate at stage 3: it returns what this rank holds, whole values for
+gathered parameters and empty placeholders (with a warning) for partitioned ones, so that a rank calling it
+alone cannot hang; `consolidated_state_dict` is the collective that returns whole weights on rank 0
+([Note: state_dict() at stage 3] in `state_dict.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
@@ -23,6 +27,7 @@ from ..grad_buckets import Bucket, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
+from .state_dict import LocalStateDict, consolidated_state_dict
 from .unit import LiveParams, ParamUnit
 
 
@@ -63,11 +68,7 @@ class Stage3:
             groups[self.unit_group[unit.index]]["params"].append(unit.master)
         self.optimizer = inputs.make_optimizer(groups)
         self.offload.bind(self.optimizer)
-        # Plain functions: torch marks public state-dict hooks with an attribute, which a bound method cannot take.
-        self._state_dict_handles = [
-            self.module.register_state_dict_pre_hook(lambda *a: self._before_state_dict(*a)),
-            self.module.register_state_dict_post_hook(lambda *a: self._after_state_dict(*a)),
-        ]
+        self.local_state_dict = LocalStateDict(self.module)
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -118,32 +119,25 @@ class Stage3:
     def zero_grads(self) -> None:
         self.buckets.zero()
 
-    def explain_forward_error(self, error: RuntimeError) -> str | None:
-        """A shape error during forward is most often a partitioned parameter read outside its module."""
-        text = str(error)
-        if not any(word in text for word in ("size", "shape", "dimension")):
+    def explain_forward_error(self, error: BaseException) -> str | None:
+        """The error with an explanation when the failing forward held parameters that were partitioned (the
+        hooks record them as the error passes, `hooks.FailedForward`); None when it did not."""
+        failure = self.hooks.failure
+        if failure is None or failure.error_id != id(error) or not failure.partitioned:
             return None
-        return (f"{text}\nZeRO-3: parameters are partitioned (empty) outside their own module's forward. If a "
-                "module reads another module's parameter (e.g. a tied embedding used by a head), call "
-                "shardwise.zero.register_external_parameter(reading_module, parameter) before initialize, or "
-                "read it inside shardwise.zero.GatheredParameters([parameter]).")
+        names = ", ".join(failure.partitioned[:5]) + (" ..." if len(failure.partitioned) > 5 else "")
+        return (f"{error}\nZeRO-3: the forward of {failure.module!r} used {names} while partitioned (each rank keeps "
+                "only a slice between uses; the tensor it got is an empty placeholder). shardwise gathers a parameter "
+                "that a forward reads as a module attribute (self.proj.weight), not one reached another way (kept in a "
+                "list or a closure, from named_parameters()). Read it as an attribute, or declare it before initialize: "
+                "shardwise.zero.register_external_parameter(reading_module, parameter), or "
+                "shardwise.zero.set_z3_leaf_modules(model, [ReadingModuleClass]) to gather a module's whole subtree "
+                "at its forward; or read it inside shardwise.zero.GatheredParameters([parameter]).")
 
-    # --- consolidated module state ---------------------------------------------------------
-    def _before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        for unit in self.units:
-            unit.users += 1
-            unit.gather_async()
-        for unit in self.units:
-            unit.wait()
-
-    def _after_state_dict(self, module: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.detach().clone()
-        for unit in self.units:
-            unit.users -= 1
-            if unit.users <= 0:
-                unit.release()
+    # --- module state -----------------------------------------------------------------------
+    def consolidated_state_dict(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        """Whole weights in the training dtype on rank 0 (None elsewhere); every rank must call it."""
+        return consolidated_state_dict(self.module, self.group.rank, exclude_frozen)
 
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Stream full weights into the slices: each rank keeps the part of each tensor it owns."""
