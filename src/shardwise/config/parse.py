@@ -1,7 +1,8 @@
-"""The one reader of raw config (a JSON path or a dict): aliases, "auto", DeepSpeed-only keys, the
+"""The one reader of raw config (a JSON path or a dict): DeepSpeed's spellings and keys, "auto", the
 batch-size triangle, and user-facing error messages with "did you mean" suggestions.
 
-Runs identically on every rank before the first collective, so a bad config fails everywhere.
+Runs identically on every rank before the first collective, so a bad config fails everywhere. Every
+problem found is reported at once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import copy
 import difflib
 import json
 import logging
+import math
 import types
 import typing
 from pathlib import Path
@@ -17,14 +19,14 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from . import deepspeed_keys as ds_keys
+from .auto import resolve_auto
+from .batch import BATCH_KEYS, solve_batch
+from .compat import apply_spellings, drop_untyped, section_type, strip_deepspeed_only
 from .errors import ConfigError
+from .notes import note_once
 from .sections import Config
 
-logger = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+logger = logging.getLogger("shardwise.config")
 
 
 def load_raw(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -47,24 +49,27 @@ def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Co
     """Validate a raw config for `dp_size` data-parallel ranks and return the typed, frozen Config."""
     raw = load_raw(config)
     problems: list[str] = []
-    _apply_aliases(raw)
-    _apply_zero_flag_aliases(raw)
-    _drop_auto(raw)
-    _normalise_names(raw)
-    _strip_deepspeed_only(raw, problems)
-    batch_problems = _solve_batch(raw, dp_size)
+    apply_spellings(raw, problems)
+    autos = resolve_auto(raw, problems)
+    _check_data_parallel_size(raw, dp_size, problems)
+    strip_deepspeed_only(raw, Config, problems)
+    drop_untyped(raw)
+    problems += _bools_for_numbers(raw, Config, "")
+    batch_problems = solve_batch(raw, dp_size)
     problems += batch_problems
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         errors = e.errors()
-        if batch_problems:  # the batch message already says what is missing
-            errors = [err for err in errors if not (err["type"] == "missing" and err["loc"][0] in BATCH_KEYS)]
+        if batch_problems:  # the batch message already says what is wrong with these keys
+            errors = [err for err in errors if not (err["loc"] and err["loc"][0] in BATCH_KEYS)]
         problems += [_explain(err) for err in errors]
         cfg = None
     if problems:
         raise ConfigError(problems)
     assert cfg is not None
+    if autos:
+        _note_autos(cfg, autos)
     return cfg
 
 
@@ -73,107 +78,50 @@ def config_json_schema() -> dict[str, Any]:
     return Config.model_json_schema()
 
 
-def _apply_zero_flag_aliases(raw: dict[str, Any]) -> None:
-    zero = raw.get("zero_optimization")
-    if not isinstance(zero, dict):
-        return
-    for flag, section in ds_keys.ZERO_FLAG_ALIASES.items():
-        if flag in zero:
-            value = zero.pop(flag)
-            if value is True:
-                zero.setdefault(section, {"device": "cpu"})
+def _check_data_parallel_size(raw: dict[str, Any], dp_size: int, problems: list[str]) -> None:
+    given = raw.pop("data_parallel_size", None)
+    if given is not None and given != dp_size:
+        problems.append(f"data_parallel_size: must equal the number of data-parallel ranks ({dp_size}); got {given!r}. "
+                        "Remove the key (it is derived from the world size).")
 
 
-def _apply_aliases(raw: dict[str, Any]) -> None:
-    for alias, target in ds_keys.ROOT_ALIASES.items():
-        if alias not in raw:
+def _bools_for_numbers(node: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
+    """pydantic reads true as 1 for a number field; a boolean there is a mistake (e.g. "stage": true)."""
+    problems = []
+    for key, value in list(node.items()):
+        field = model.model_fields.get(key)
+        if field is None:
             continue
-        value = raw.pop(alias)
-        *parents, leaf = target.split(".")
-        node = raw
-        for p in parents:
-            node = node.setdefault(p, {})
-        node.setdefault(leaf, value)
+        nested = section_type(field.annotation)
+        if nested is not None and isinstance(value, dict):
+            problems += _bools_for_numbers(value, nested, prefix + key + ".")
+        elif isinstance(value, bool) and _is_number_field(field.annotation) and prefix + key not in BATCH_KEYS:
+            del node[key]  # validation would read it as 1
+            example = f", e.g. {field.default!r}" if isinstance(field.default, (int, float)) else ""
+            problems.append(f"{prefix}{key}: a number is required; got {str(value).lower()} (a boolean). Write the number{example}.")
+    return problems
 
 
-def _drop_auto(node: Any) -> None:
-    """"auto" (what Hugging Face's Trainer writes) means "derive it or use the default": drop the key."""
-    if isinstance(node, dict):
-        for key in [k for k, v in node.items() if v == "auto"]:
-            del node[key]
-        for value in node.values():
-            _drop_auto(value)
+def _is_number_field(annotation: Any) -> bool:
+    arms = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return bool(arms) and any(a in (int, float) for a in arms) and bool not in arms
 
 
-def _normalise_names(raw: dict[str, Any]) -> None:
-    # DeepSpeed matches optimizer names case-insensitively ("Adam", "adamw").
-    opt = raw.get("optimizer")
-    if isinstance(opt, dict) and isinstance(opt.get("type"), str):
-        opt["type"] = opt["type"].lower()
+def _note_autos(cfg: Config, paths: list[str]) -> None:
+    used = []
+    for path in paths:
+        value: Any = cfg
+        for part in _field_path(path):
+            value = getattr(value, part, None)
+        how = "derived" if path in BATCH_KEYS else "DeepSpeed's default"
+        used.append(f"{path}={'inf' if value == math.inf else value} ({how})")
+    note_once(logger, logging.INFO, f'config: "auto" resolved: {", ".join(used)}.')
 
 
-def _strip_deepspeed_only(raw: dict[str, Any], problems: list[str]) -> None:
-    _strip(raw, ds_keys.ROOT_KEYS, "", problems)
-    zero = raw.get("zero_optimization")
-    if isinstance(zero, dict):
-        _strip(zero, ds_keys.ZERO_KEYS, "zero_optimization.", problems)
+def _field_path(path: str) -> list[str]:
+    from .deepspeed_keys import canonical
 
-
-def _strip(node: dict[str, Any], table: dict[str, str], prefix: str, problems: list[str]) -> None:
-    for key in [k for k in node if k in table]:
-        value = node.pop(key)
-        path = prefix + key
-        if ds_keys.is_switched_off(value):
-            continue
-        if table[key] == ds_keys.CHANGES_TRAINING:
-            problems.append(
-                f"{path}: a DeepSpeed setting that shardwise does not implement yet; it changes what is "
-                f"trained or where memory goes, so it is refused rather than ignored; got {value!r}. "
-                "Remove it (or set it to disabled) to train without it."
-            )
-        elif path not in _warned:
-            _warned.add(path)
-            logger.warning("%s: a DeepSpeed setting that shardwise does not act on yet; ignored.", path)
-
-
-def _solve_batch(raw: dict[str, Any], dp_size: int) -> list[str]:
-    """Fill in the one missing key of train = micro × accumulation × dp (DeepSpeed's arithmetic)."""
-    given = {k: raw[k] for k in BATCH_KEYS if k in raw}
-    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in given.values()):
-        return []  # the type/range error is reported by validation with the key path
-    train, micro, accum = (given.get(k) for k in BATCH_KEYS)
-    if micro is not None and accum is not None:
-        derived = micro * accum * dp_size
-        if train is not None and train != derived:
-            return [
-                f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) × "
-                f"gradient_accumulation_steps ({accum}) × data-parallel size ({dp_size}) = {derived}; "
-                "drop one of the three keys to have it derived."
-            ]
-        train = derived
-    elif train is not None:
-        # Derive the missing one; with train_batch_size alone, accumulation defaults to 1.
-        if micro is not None:
-            fixed_name, fixed = "train_micro_batch_size_per_gpu", micro
-        else:
-            fixed_name, fixed = "gradient_accumulation_steps", accum if accum is not None else 1
-        if train % (fixed * dp_size):
-            return [
-                f"train_batch_size ({train}) is not divisible by {fixed_name} ({fixed}) × data-parallel size "
-                f"({dp_size}) = {fixed * dp_size}; choose a train_batch_size that is a multiple of {fixed * dp_size}."
-            ]
-        other = train // (fixed * dp_size)
-        micro, accum = (other, fixed) if fixed_name == "gradient_accumulation_steps" else (fixed, other)
-    elif micro is not None:
-        accum = 1
-        train = micro * dp_size
-    else:
-        return [
-            "train_batch_size / train_micro_batch_size_per_gpu: at least one is required; got neither. "
-            'Add e.g. "train_micro_batch_size_per_gpu": 8.'
-        ]
-    raw.update(train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
-    return []
+    return canonical(path).split(".")
 
 
 def _explain(err: Mapping[str, Any]) -> str:
@@ -202,28 +150,25 @@ def _not_a_choice(path: str, value: Any, expected: str) -> str:
 def _unknown_key(loc: tuple[Any, ...], path: str) -> str:
     known = sorted(_fields_at(loc[:-1]))
     where = ".".join(str(p) for p in loc[:-1]) or "the top level"
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(loc[-1]), known + _deepspeed_keys_at(loc[:-1]), n=1, cutoff=0.6)
     hint = f"Did you mean '{close[0]}'? " if close else ""
     return f"{path}: unknown key. {hint}Keys allowed in {where}: {', '.join(known)}."
+
+
+def _deepspeed_keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """DeepSpeed's own spellings at this level (accepted too, so worth suggesting)."""
+    from .deepspeed_keys import ALIASES, TABLE
+
+    prefix = "".join(f"{p}." for p in loc)
+    names = {k[len(prefix):].removesuffix(".*") for k in [*TABLE, *ALIASES] if k.startswith(prefix)}
+    return sorted(n for n in names if n and "." not in n)
 
 
 def _fields_at(loc: tuple[Any, ...]) -> set[str]:
     model: type[BaseModel] = Config
     for part in loc:
-        nested = _section_type(model.model_fields[str(part)].annotation)
+        nested = section_type(model.model_fields[str(part)].annotation)
         if nested is None:
             return set()
         model = nested
     return set(model.model_fields)
-
-
-def _section_type(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel class inside `X`, `X | None` or `Optional[X]`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _section_type(arg)
-            if found is not None:
-                return found
-    return None

@@ -7,44 +7,18 @@ silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .base import Section
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
+from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
+from .training import OptimizerConfig, SchedulerConfig
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-class FP16Config(Section):
-    enabled: bool = False
-    auto_cast: bool = False
-    loss_scale: float = Field(0.0, ge=0.0, description="0 selects dynamic loss scaling")
-    initial_scale_power: int = Field(16, ge=0, le=64)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1.0, gt=0.0)
-
-
-class BF16Config(Section):
-    enabled: bool = False
-
-
-OptimizerName = Literal["adam", "adamw", "sgd", "lamb", "adagrad"]
-SchedulerName = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
-
-
-class OptimizerConfig(Section):
-    type: OptimizerName
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class SchedulerConfig(Section):
-    type: SchedulerName
-    params: dict[str, Any] = Field(default_factory=dict)
+__all__ = ["ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "Config", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
+           "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "Section", "TorchAutocastConfig", "ZeroConfig"]
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -56,16 +30,12 @@ class OffloadOptimizerConfig(Section):
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = Field(4, ge=2)
+    buffer_count: int = Field(4, ge=0)
     fast_init: bool = False
-    ratio: float = Field(1.0, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> OffloadOptimizerConfig:
         _need_nvme_path(self.device, self.nvme_path, "offload_optimizer")
-        if self.ratio != 1.0:
-            raise ValueError(f"zero_optimization.offload_optimizer.ratio: only 1.0 (offload all optimizer state) is "
-                             f"supported; got {self.ratio}. Remove the key.")
         return self
 
 
@@ -75,8 +45,8 @@ class OffloadParamConfig(Section):
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = Field(5, ge=1)
-    buffer_size: int = Field(100_000_000, ge=1)
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
 
     @model_validator(mode="after")
@@ -107,8 +77,9 @@ class ZeroConfig(Section):
 
     stage: int = Field(0, ge=0, le=3)
     reduce_bucket_size: int = Field(500_000_000, ge=1)
-    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    allgather_bucket_size: int = Field(500_000_000, ge=0)
     overlap_comm: bool = True
+    """DeepSpeed's null ("decide for me") means true here: overlapping is never slower."""
     reduce_scatter: bool = True
     contiguous_gradients: bool = True
     allgather_partitions: bool = True
@@ -118,22 +89,22 @@ class ZeroConfig(Section):
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, validation_alias=AliasChoices("stage3_gather_16bit_weights_on_model_save",
-                                             "stage3_gather_fp16_weights_on_model_save",
-                                             "gather_16bit_weights_on_model_save"))
+    stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
 
+    @field_validator("overlap_comm", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: object) -> object:
+        return True if value is None else value
+
     @model_validator(mode="after")
     def _offload_stages(self) -> ZeroConfig:
+        # offload_param below stage 3 is dropped, with a note, by parse.py (DeepSpeed ignores it there).
         if self.offload_optimizer.device != "none" and self.stage == 0:
             raise ValueError("zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3; got stage 0. "
                              "Set zero_optimization.stage.")
-        if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(f"zero_optimization.offload_param: needs ZeRO stage 3; got stage {self.stage}. Use "
-                             "offload_optimizer at stages 1-2, or stage 3.")
         return self
 
 
@@ -143,14 +114,15 @@ class CheckpointConfig(Section):
     async_save: bool = False
     """Copy the state to host memory and write it from a background thread while training goes on;
     the next save (or load, or the end of the process) waits for it."""
-    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail"] = "Warn"
-    """What to do when ranks save under different tags."""
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """What to do when ranks save under different tags (any case, as DeepSpeed)."""
     use_node_local_storage: bool = False
     """Accepted for DeepSpeed configs: every rank already writes only its own file."""
 
-
-class DataTypesConfig(Section):
-    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        return value.capitalize() if isinstance(value, str) else value
 
 
 class ActivationCheckpointingConfig(Section):
@@ -172,18 +144,20 @@ class Config(Section):
     train_batch_size: int = Field(ge=1)
     train_micro_batch_size_per_gpu: int = Field(ge=1)
     gradient_accumulation_steps: int = Field(ge=1)
-    steps_per_print: int = Field(10, ge=1)
+    steps_per_print: int | float = Field(10, ge=1, description="a float infinity (or null) never reports")
     wall_clock_breakdown: bool = False
     gradient_clipping: float = Field(1.0, ge=0.0, description="global-norm clip; DeepSpeed's default is 1.0, 0 disables")
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
-    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    communication_data_type: Dtype | None = None
+    dataloader_drop_last: bool = False
     seed: int | None = None
     collective_timeout_s: float = Field(
         1800.0, gt=0.0, description="a collective not done after this long is an error naming rank, op and group"
     )
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
+    torch_autocast: TorchAutocastConfig = TorchAutocastConfig()
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = ZeroConfig()
@@ -198,6 +172,23 @@ class Config(Section):
     aio: AioConfig = AioConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never(cls, value: object) -> object:
+        if value is None or (isinstance(value, float) and math.isinf(value)):
+            return math.inf  # DeepSpeed's null default and an infinity (either sign) both mean "never"
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, float):
+            raise ValueError(f"steps_per_print: a whole number of steps (or an infinity for never) is required; "
+                             f"got {value}. Round it.")
+        return value
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _dtype(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value  # DeepSpeed lower-cases it
+
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
@@ -205,4 +196,11 @@ class Config(Section):
                 "fp16.enabled and bf16.enabled: at most one may be true; got both. "
                 "Pick bf16 on hardware that has it (no loss scaling needed), else fp16."
             )
+        training = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+        for key in ("param_dtype", "buffer_dtype"):
+            given = getattr(self.data_types, key)
+            if given is not None and given != training:
+                raise ValueError(
+                    f"data_types.{key}: must be the training dtype ({training}, from fp16/bf16.enabled); got "
+                    f"{given!r}. Set the matching fp16/bf16 'enabled' flag or remove data_types.{key}.")
         return self

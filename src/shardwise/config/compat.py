@@ -1,0 +1,176 @@
+"""Apply the DeepSpeed key table (`deepspeed_keys.py`) to a raw config, before validation.
+
+- `apply_spellings`: DeepSpeed's other spellings become shardwise's (aliases, `cpu_offload` flags,
+  `zero_optimization: true`), and `offload_param` below stage 3 is dropped with a note, as DeepSpeed
+  ignores it there.
+- `strip_deepspeed_only`: keys that are not shardwise fields are taken out: no-ops with a one-time note
+  (or warning), refused features as problems (quietly when switched off), limited keys refused when
+  their value is not the one shardwise's behaviour equals. Keys the table does not know are left for
+  validation, which reports them as unknown with a "did you mean".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+
+from . import deepspeed_keys as ds
+from .notes import note_once
+
+logger = logging.getLogger("shardwise.config")
+
+_MISSING = object()
+
+
+def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):  # DeepSpeed's oldest form: true is stage 1
+        raw["zero_optimization"] = {"stage": int(zero)}
+    for alias, target in ds.ALIASES.items():
+        _move(raw, alias, target, problems)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict):
+        _old_offload_flags(zero)
+        _offload_param_below_stage3(zero)
+
+
+def drop_untyped(raw: dict[str, Any]) -> None:
+    """An `optimizer` / `scheduler` section without `type` builds nothing in DeepSpeed, its params unused."""
+    for section in ("optimizer", "scheduler"):
+        value = raw.get(section)
+        if isinstance(value, dict) and "type" not in value:
+            raw.pop(section)
+            if value.get("params"):
+                note_once(logger, logging.WARNING, f"{section}.params: ignored: the section has no `type`, so no "
+                          f"{section} is built from it (as in DeepSpeed). Add {section}.type, or remove the section.")
+
+
+def _move(raw: dict[str, Any], alias: str, target: str, problems: list[str]) -> None:
+    *parents, leaf = alias.split(".")
+    node = _node(raw, parents)
+    if node is None or leaf not in node:
+        return
+    value = node.pop(leaf)
+    *target_parents, target_leaf = target.split(".")
+    into = _node(raw, target_parents, create=True)
+    if into is None:
+        return
+    existing = into.get(target_leaf, _MISSING)
+    if existing is not _MISSING and existing != value:
+        problems.append(f"{alias} and {target}: two spellings of one setting with different values ({value!r} and "
+                        f"{existing!r}); keep one.")
+        return
+    into[target_leaf] = value
+
+
+def _node(raw: dict[str, Any], parts: list[str], create: bool = False) -> dict[str, Any] | None:
+    node: Any = raw
+    for part in parts:
+        if not isinstance(node, dict):
+            return None
+        if part not in node and create:
+            node[part] = {}
+        node = node.get(part)
+    return node if isinstance(node, dict) else None
+
+
+def _old_offload_flags(zero: dict[str, Any]) -> None:
+    for flag, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if flag in zero and zero.pop(flag) is True:
+            zero.setdefault(section, {"device": "cpu"})
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    if isinstance(pin, bool):
+        for section in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(section), dict):
+                zero[section].setdefault("pin_memory", pin)
+
+
+def _offload_param_below_stage3(zero: dict[str, Any]) -> None:
+    offload, stage = zero.get("offload_param"), zero.get("stage", 0)
+    if ds.is_switched_off(offload) or not isinstance(stage, int) or isinstance(stage, bool) or stage >= 3:
+        return
+    zero.pop("offload_param")
+    note_once(logger, logging.WARNING,
+              f"zero_optimization.offload_param: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); "
+              "parameters stay on the device. Use offload_optimizer at stages 1-2, or stage 3.")
+
+
+def strip_deepspeed_only(raw: dict[str, Any], model: type[BaseModel], problems: list[str]) -> None:
+    _walk(raw, model, "", problems, quiet=False)
+
+
+def _walk(node: dict[str, Any], model: type[BaseModel] | None, prefix: str, problems: list[str], quiet: bool) -> None:
+    for key in list(node):
+        path, value = prefix + key, node[key]
+        treatment = ds.lookup(path)
+        if treatment is not None and treatment.accepts is not None and not ds.accepted_value(treatment, value):
+            node.pop(key)
+            problems.append(_not_implemented(path, value, treatment))
+            continue
+        nested = _field_model(model, key) if model is not None and key in model.model_fields else _MISSING
+        if nested is not _MISSING:  # a shardwise field: validation takes it from here
+            if treatment is not None and treatment.kind == ds.NO_OP and not quiet:
+                _note(path, treatment)
+            if isinstance(nested, type) and isinstance(value, dict):
+                _walk(value, nested, path + ".", problems, quiet)
+            continue
+        if treatment is None or treatment.kind == ds.IMPLEMENTED:
+            continue  # unknown (or a typo inside a shardwise section): validation names it
+        node.pop(key)
+        if treatment.kind == ds.REFUSED:
+            if treatment.accepts is None and not ds.is_switched_off(value, treatment.off):
+                problems.append(_not_implemented(path, value, treatment))
+            continue
+        if isinstance(value, dict):
+            _walk(value, None, path + ".", problems, quiet=True)  # a refused key inside a no-op section
+        if not quiet:
+            _note(path, treatment)
+
+
+def _field_model(model: type[BaseModel], key: str) -> Any:
+    """The section model of field `key` (None for a plain field)."""
+    return section_type(model.model_fields[key].annotation)
+
+
+def section_type(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside `X`, `X | None` or `Optional[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = section_type(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _note(path: str, treatment: ds.Treatment) -> None:
+    if treatment.kind == ds.WARNED:
+        note_once(logger, logging.WARNING,
+                  f"{path}: a DeepSpeed setting that shardwise does not act on yet; ignored ({treatment.reason}).")
+    else:
+        note_once(logger, logging.INFO, f"{path}: a DeepSpeed setting with no effect in shardwise ({treatment.reason}).")
+
+
+def shown(value: Any) -> str:
+    """A value as the user wrote it in JSON (true, null, "auto"), shortened."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _not_implemented(path: str, value: Any, treatment: ds.Treatment) -> str:
+    if treatment.accepts is not None:
+        allowed = " or ".join(shown(a) for a in treatment.accepts)
+        return (f"{path}: a DeepSpeed setting that shardwise does not implement yet for values other than {allowed} "
+                f"({treatment.reason}); got {shown(value)}. Remove it or set it to {shown(treatment.accepts[0])}.")
+    return (f"{path}: a DeepSpeed setting that shardwise does not implement yet ({treatment.reason}); it changes what "
+            f"is trained or where memory goes, so it is refused rather than ignored; got {shown(value)}. Remove it (or set "
+            "it to disabled) to train without it.")
