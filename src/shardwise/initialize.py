@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -13,15 +14,19 @@ import torch.distributed as dist
 
 from . import accelerator
 from .config import Config, ConfigError, parse_config
+from .config.notes import note_once
 from .distributed import Collectives, Group, Topology, init_distributed
 from .monitor.console import ensure_console_handler
-from .optim.registry import build_optimizer
+from .optim.registry import build_optimizer, build_scheduler, check_optimizer, check_scheduler
 from .precision import PrecisionPolicy
+from .precision.autocast import check_autocast
 from .runtime.data import DistributedLoader
 from .runtime.engine import Engine
 from .runtime.strategy import MakeOptimizer, ParamGroups, StrategyInputs, make_strategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[ParamGroups], torch.optim.Optimizer] | None
+
+logger = logging.getLogger(__name__)
 
 
 def initialize(
@@ -47,6 +52,7 @@ def initialize(
     ensure_console_handler()
     cfg = parse_config(raw, dp_size=dist.get_world_size())
     groups = _param_groups(optimizer, model_parameters, model)
+    _check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
     make_optimizer = _optimizer_factory(optimizer, cfg)
     _validate_scheduler(cfg, lr_scheduler)
     if cfg.seed is not None:
@@ -54,6 +60,7 @@ def initialize(
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = accelerator.device_for(local_rank)
+    check_autocast(cfg.torch_autocast, device)
     topology = Topology(device.type)
     comm = Collectives(cfg.collective_timeout_s)
     model.to(device)
@@ -70,7 +77,8 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
-                                   topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn)
+                                   topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn,
+                                   drop_last=cfg.dataloader_drop_last)
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
 
@@ -94,9 +102,34 @@ def _param_groups(optimizer: OptimizerArg, model_parameters: Iterable[Any] | Non
     return [{"params": params}]
 
 
+def _check_model_parameters(groups: ParamGroups, model: torch.nn.Module, given: bool) -> None:
+    """What was passed as model_parameters (or to the client optimizer) must be `model`'s, and some must train."""
+    params = [p for g in groups for p in g["params"]]
+    source = "model_parameters" if given else "model"
+    if any(isinstance(p, tuple) for p in params):
+        raise ValueError("model_parameters: got (name, parameter) pairs; pass model.parameters(), not named_parameters().")
+    names = {id(p): n for n, p in model.named_parameters()}
+    foreign = [p for p in params if id(p) not in names]
+    if foreign:
+        shapes = ", ".join(str(list(getattr(p, "shape", []))) for p in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"model_parameters: {len(foreign)} of the {len(params)} parameters given are not parameters of "
+                         f"the model passed as model= (shapes {shapes}); pass that model's parameters, e.g. "
+                         "model.parameters() or groups of them.")
+    if not any(p.requires_grad for p in params):
+        frozen = [names[id(p)] for p in params]
+        shown = ", ".join(frozen[:6]) + (f", ... ({len(frozen)} in all)" if len(frozen) > 6 else "")
+        what = "every parameter given is" if given else "every parameter of the model is"
+        raise ValueError(f"{source}: {what} frozen (requires_grad=False), so nothing would train: "
+                         f"{shown or 'no parameters at all'}. Unfreeze the ones to train (p.requires_grad_(True)) "
+                         "before initialize, then pass [p for p in model.parameters() if p.requires_grad].")
+
+
 def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError(["optimizer: given both as an argument and in the config; keep one of the two."])
+        note_once(logger, logging.WARNING,
+                  f"optimizer: the optimizer passed to initialize() is used and the config's \"optimizer\" section "
+                  f"(type {cfg.optimizer.type!r}, params {cfg.optimizer.params}) is ignored, as DeepSpeed does. "
+                  "Remove one of the two to silence this.")
     if isinstance(optimizer, torch.optim.Optimizer):
         return _rebind(optimizer)
     if callable(optimizer):
@@ -104,7 +137,8 @@ def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:
     if cfg.optimizer is None:
         raise ConfigError(['optimizer: none given; pass optimizer= to initialize or add an "optimizer" section.'])
     opt_cfg = cfg.optimizer
-    build_optimizer(opt_cfg, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])  # fail now, on every rank alike
+    check_optimizer(opt_cfg)  # every rank alike, before anything is built
+    build_optimizer(opt_cfg, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     return lambda groups: build_optimizer(opt_cfg, [g for g in groups if g["params"]])
 
 
@@ -123,7 +157,11 @@ def _rebind(optimizer: torch.optim.Optimizer) -> MakeOptimizer:
 
 def _validate_scheduler(cfg: Config, lr_scheduler: Any) -> None:
     if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError(["scheduler: given both as lr_scheduler= and in the config; keep one of the two."])
+        note_once(logger, logging.WARNING,
+                  f"lr_scheduler: the scheduler passed to initialize() is used and the config's \"scheduler\" section "
+                  f"(type {cfg.scheduler.type!r}) is ignored, as DeepSpeed does. Remove one of the two to silence this.")
+    elif cfg.scheduler is not None:
+        check_scheduler(cfg.scheduler)
 
 
 def _make_scheduler(cfg: Config, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
@@ -131,12 +169,7 @@ def _make_scheduler(cfg: Config, lr_scheduler: Any, optimizer: torch.optim.Optim
         return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
     if cfg.scheduler is None:
         return None
-    from .optim.schedulers import SCHEDULERS
-
-    try:
-        return SCHEDULERS[cfg.scheduler.type](optimizer, **cfg.scheduler.params)
-    except TypeError as e:
-        raise ConfigError([f"scheduler.params: {cfg.scheduler.type} rejected {cfg.scheduler.params}: {e}"]) from e
+    return build_scheduler(cfg.scheduler, optimizer)
 
 
 def _seed_everything(seed: int) -> None:

@@ -17,6 +17,7 @@ from ..config import Config
 from ..distributed import Collectives, Topology
 from ..monitor.reporter import StepFigures
 from ..precision import PrecisionPolicy
+from ..precision.autocast import forward_autocast
 from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
 from .step import StepResult, take_step
@@ -63,6 +64,7 @@ class Engine(torch.nn.Module):
 
         self.checkpoint_writer = CheckpointWriter(config.checkpoint.async_save, config.checkpoint.tag_validation)
         self.instruments = Instruments(config, strategy, comm, device, self.global_rank, topology.data.size)
+        self._autocast = forward_autocast(config.torch_autocast, device)
         self.monitor = self.instruments.monitor
 
     # --- DeepSpeed's accessors -------------------------------------------------------------
@@ -105,7 +107,7 @@ class Engine(torch.nn.Module):
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         self._window_tokens += _token_count(inputs, kwargs)
-        with self.instruments.forward(self.module, self.global_steps):
+        with self.instruments.forward(self.module, self.global_steps), self._autocast():
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as e:
