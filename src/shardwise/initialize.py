@@ -17,6 +17,7 @@ from .config import Config, ConfigError, parse_config
 from .config.notes import note_once
 from .distributed import Collectives, Group, Topology, init_distributed
 from .monitor.console import ensure_console_handler
+from .optim.param_groups import check_model_parameters
 from .optim.registry import build_optimizer, build_scheduler, check_optimizer, check_scheduler
 from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
@@ -52,7 +53,7 @@ def initialize(
     ensure_console_handler()
     cfg = parse_config(raw, dp_size=dist.get_world_size())
     groups = _param_groups(optimizer, model_parameters, model)
-    _check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
+    check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
     make_optimizer = _optimizer_factory(optimizer, cfg)
     _validate_scheduler(cfg, lr_scheduler)
     if cfg.seed is not None:
@@ -100,28 +101,6 @@ def _param_groups(optimizer: OptimizerArg, model_parameters: Iterable[Any] | Non
     if params and isinstance(params[0], dict):
         return [{**g, "params": list(g["params"])} for g in params]
     return [{"params": params}]
-
-
-def _check_model_parameters(groups: ParamGroups, model: torch.nn.Module, given: bool) -> None:
-    """What was passed as model_parameters (or to the client optimizer) must be `model`'s, and some must train."""
-    params = [p for g in groups for p in g["params"]]
-    source = "model_parameters" if given else "model"
-    if any(isinstance(p, tuple) for p in params):
-        raise ValueError("model_parameters: got (name, parameter) pairs; pass model.parameters(), not named_parameters().")
-    names = {id(p): n for n, p in model.named_parameters()}
-    foreign = [p for p in params if id(p) not in names]
-    if foreign:
-        shapes = ", ".join(str(list(getattr(p, "shape", []))) for p in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ValueError(f"model_parameters: {len(foreign)} of the {len(params)} parameters given are not parameters of "
-                         f"the model passed as model= (shapes {shapes}); pass that model's parameters, e.g. "
-                         "model.parameters() or groups of them.")
-    if not any(p.requires_grad for p in params):
-        frozen = [names[id(p)] for p in params]
-        shown = ", ".join(frozen[:6]) + (f", ... ({len(frozen)} in all)" if len(frozen) > 6 else "")
-        what = "every parameter given is" if given else "every parameter of the model is"
-        raise ValueError(f"{source}: {what} frozen (requires_grad=False), so nothing would train: "
-                         f"{shown or 'no parameters at all'}. Unfreeze the ones to train (p.requires_grad_(True)) "
-                         "before initialize, then pass [p for p in model.parameters() if p.requires_grad].")
 
 
 def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardwise.config import ConfigError, OptimizerConfig, SchedulerConfig, parse_config
-from shardwise.initialize import _check_model_parameters
+from shardwise.optim.param_groups import check_model_parameters
 from shardwise.optim.registry import check_optimizer, check_scheduler
 
 BASE = {"train_micro_batch_size_per_gpu": 4}
@@ -199,16 +199,16 @@ def test_frozen_or_foreign_model_parameters_are_named():
     model, other = torch.nn.Linear(2, 2), torch.nn.Linear(3, 1)
     with pytest.raises(ValueError, match=r"model_parameters: 2 of the 3 parameters given are not parameters of the "
                                          r"model passed as model= \(shapes \[1, 3\], \[1\]\)"):
-        _check_model_parameters([{"params": [model.weight, *other.parameters()]}], model, given=True)
+        check_model_parameters([{"params": [model.weight, *other.parameters()]}], model, given=True)
     model.requires_grad_(False)
     with pytest.raises(ValueError) as info:
-        _check_model_parameters([{"params": list(model.parameters())}], model, given=True)
+        check_model_parameters([{"params": list(model.parameters())}], model, given=True)
     assert str(info.value) == (
         "model_parameters: every parameter given is frozen (requires_grad=False), so nothing would train: weight, bias. "
         "Unfreeze the ones to train (p.requires_grad_(True)) before initialize, then pass "
         "[p for p in model.parameters() if p.requires_grad].")
     with pytest.raises(ValueError, match=r"got \(name, parameter\) pairs; pass model.parameters\(\), not named_parameters"):
-        _check_model_parameters([{"params": list(model.named_parameters())}], model, given=True)
+        check_model_parameters([{"params": list(model.named_parameters())}], model, given=True)
 
 
 # --- DeepSpeed keys and spellings --------------------------------------------------------------------------
