@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import shardwise
 from tests.harness import run_distributed
-from tests.parity import (assert_close_run, ds_config, engine_run, global_batch, make_model, micro_batch, param_groups,
-                          train_steps)
+from tests.parity import (assert_close_run, ds_config, engine_run, full_state_dict, global_batch, make_model, micro_batch,
+                          param_groups, train_steps)
 
 STEPS, MICRO, ACCUM, WORLD = 6, 2, 2, 2
 
@@ -43,7 +43,7 @@ def _stage3_run(zero: dict[str, Any]):
     engine, *_ = shardwise.initialize(model=model, model_parameters=param_groups(model),
                                       config=ds_config(MICRO, ACCUM, zero_optimization=zero))
     losses = train_steps(engine, 0, STEPS)
-    params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    params = {k: v.float() for k, v in full_state_dict(engine).items()}
     return losses, params, _units(engine), engine.config.zero_optimization
 
 
@@ -93,7 +93,7 @@ def _autocast_and_lion_runs():
     engine, *_ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
     seen = []
     engine.module.hidden.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    autocast = (train_steps(engine, 0, STEPS), {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+    autocast = (train_steps(engine, 0, STEPS), full_state_dict(engine),
                 set(seen), {p.dtype for p in engine.module.parameters()})
     lion_config = ds_config(MICRO, ACCUM, zero_optimization={"stage": 2})
     lion_config["optimizer"] = {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}}

@@ -23,7 +23,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import shardwise
 from shardwise.runtime.data import RepeatingLoader
 from tests.harness import run_distributed
-from tests.parity import SEQ, VOCAB, assert_close_run, ds_config, make_model, oracle, param_groups, train_steps
+from tests.parity import (SEQ, VOCAB, assert_close_run, ds_config, full_state_dict, make_model, oracle, param_groups,
+                          train_steps)
 
 N = 40  # samples per epoch: a multiple of the global batch (8), so the steps of every layout tile an epoch
 
@@ -72,7 +73,7 @@ def _phase(root: str, layout: tuple, steps: int, load: bool, extra_micro_steps: 
     engine.save_checkpoint(root)
     read_by_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(read_by_rank, read)
-    params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    params = {k: v.float() for k, v in full_state_dict(engine).items()}
     return dict(losses=losses, read=read_by_rank, params=params, warnings=warnings.lines,
                 global_steps=engine.global_steps)
 
@@ -169,7 +170,7 @@ def _steps(root: str, micro: int, gas: int, start: int, steps: int) -> dict:
         engine.load_checkpoint(root)
     losses = train_steps(engine, start, steps)
     engine.save_checkpoint(root)
-    return dict(losses=losses, params={k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+    return dict(losses=losses, params=full_state_dict(engine),
                 micro_steps=engine.micro_steps)
 
 
