@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import CheckpointError
 
 
 def fsync_file(path: Path) -> None:
@@ -26,14 +30,37 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: readers see the old file or the new one, never half."""
+    """Write to a temporary name, fsync, rename: readers see the old file or the new one, never half.
+    A failure is a CheckpointError naming `path` (the temporary file is removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(write_error(path, e, len(data))) from e
+
+
+def write_error(path: Path, error: BaseException, needed: int | None = None) -> str:
+    """What went wrong writing `path`, naming it: a full disk says how many bytes were needed and are free.
+    (OSError from a write carries no file name, and safetensors' own error carries neither name nor errno.)"""
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(error) \
+            or "No space left on device" in str(error):
+        free = shutil.disk_usage(_existing(path)).free
+        wanted = f"about {needed} bytes for this file, " if needed is not None else ""
+        return (f"{path}: no space left on device ({wanted}{free} bytes free on that filesystem now); free "
+                "space or save elsewhere.")
+    return f"{path}: cannot be written ({getattr(error, 'strerror', None) or error})."
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], str]:

@@ -15,9 +15,11 @@ import torch
 from . import layout
 from .errors import CheckpointError
 from .safetensors_file import SafetensorsFile
+from .tags import load_tag_problem
 
 
 def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
+    """The tag directory to load: `tag`, or the one `latest` names. Neither may lead out of `load_dir`."""
     root = Path(load_dir)
     if (root / layout.MANIFEST).is_file() and tag is None:
         return root  # pointed straight at a tag directory
@@ -25,7 +27,18 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
         latest = root / layout.LATEST
         if not latest.is_file():
             raise CheckpointError(f"{latest}: no 'latest' file; pass tag= or point at a checkpoint tag directory.")
-        tag = latest.read_text().strip()
+        try:
+            tag = latest.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{latest}: not text; it should hold the name of a tag directory in {root}. "
+                                  "Pass tag= or rewrite it.") from None
+        if load_tag_problem(tag):
+            raise CheckpointError(f"{latest}: names {tag!r}, but it must name a tag directory inside {root} (one "
+                                  "directory name: no '/', '..', NUL or newline); it was not followed. Pass tag= or "
+                                  "write a tag name into it.")
+    problem = load_tag_problem(str(tag))
+    if problem:
+        raise CheckpointError(f"load_checkpoint: tag {problem} inside {root}; got {tag!r}.")
     return root / str(tag)
 
 

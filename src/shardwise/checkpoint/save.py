@@ -4,20 +4,22 @@
 checksums it; rank 0 gathers every file's size and CRC32 with the piece index into the manifest,
 renames the directory to `<tag>`, and only then replaces `latest` (itself by rename). A job killed at
 any instant leaves the previous tag intact and `latest` naming a complete checkpoint; a leftover
-`.partial` directory is never taken for a checkpoint.
+`.partial` directory is never taken for a checkpoint. A rank whose write fails (a full disk) still
+joins the exchange, so every rank raises the same error, rank 0 removes the partial directory, and
+`latest` keeps naming the last complete tag.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
-import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..version import __version__
@@ -25,97 +27,121 @@ from . import files, layout
 from .errors import CheckpointError
 from .progress import progress_meta
 
-logger = logging.getLogger(__name__)
 
+@dataclass
+class SaveJob:
+    """What one rank writes for one tag: captured at the call, written now or by the background writer."""
 
-class CheckpointWriter:
-    """Writes checkpoints, synchronously or (async_save) from one background thread at a time.
+    root: Path
+    tag: str
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    records: list[dict]
+    rng_json: str
+    save_latest: bool
 
-    The background thread coordinates on a process group of its own, so its collectives never
-    interleave with the training loop's on the main group.
-    """
-
-    def __init__(self, async_save: bool, tag_validation: str):
-        self.async_save = async_save
-        self.tag_validation = tag_validation.lower()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._group: dist.ProcessGroup | None = None
-
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is complete; re-raise its error here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
-
-    def save(self, engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
-        self.wait()
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        meta = engine_meta(engine, tag, client_state)  # the same error on every rank, before any collective
-        self._validate_tag(tag)
-        root = Path(save_dir)
-        partial = layout.partial_dir(root, tag)
-        if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
-            tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
-                                     include_buffers=dist.get_rank() == 0,
-                                     copy=self.async_save or _swapped(engine))
-        meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
-                                "persistent_buffers": persistent_buffers(engine.module),
-                                "optimizer": _optimizer_meta(engine.optimizer)}
-        rng_tensors, meta["rng_json"] = files.rng_state()  # captured now, not when a background write runs
-        tensors.update(rng_tensors)
-        job = (root, partial, tag, meta, tensors, records, save_latest)
-        if not self.async_save:
-            _write_and_publish(*job, group=None)
-            return str(root / tag)
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        self._thread = threading.Thread(target=self._run, args=job, name="shardwise-checkpoint", daemon=False)
-        self._thread.start()
-        return str(root / tag)
-
-    def _run(self, *job: Any) -> None:
-        try:
-            _write_and_publish(*job, group=self._group)
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the main thread
-            self._error = e
-
-    def _validate_tag(self, tag: str) -> None:
-        if self.tag_validation == "ignore":
-            return
-        tags: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(tags, tag)
-        if len(set(tags)) > 1:
-            message = f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank."
-            if self.tag_validation == "fail":
-                raise CheckpointError(message)
-            logger.warning(message)
+    @property
+    def partial(self) -> Path:
+        return layout.partial_dir(self.root, self.tag)
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
-    writer = engine.checkpoint_writer
-    return writer.save(engine, save_dir, tag, client_state, save_latest)
+    """Save `engine` to `save_dir/<tag>/` (tag default: global_step<N>) and point `save_dir/latest` at it.
+
+    A tag is one directory name of ASCII letters, digits and `. _ - + = @`, not starting with '.', at
+    most 200 characters, and not `latest`; anything else (a path such as "../x", "", "a/b", a NUL or
+    newline) is refused on every rank before anything is written. Every rank must pass the same tag: ranks
+    that differ are refused on every rank, naming each rank's tag, whatever `checkpoint.tag_validation`
+    says, except "Ignore", which saves under rank 0's tag. Nothing outside `save_dir` is written or removed,
+    and an existing `save_dir/<tag>` is replaced only if it is a shardwise checkpoint.
+    """
+    return engine.checkpoint_writer.save(engine, save_dir, tag, client_state, save_latest)
 
 
-def _write_and_publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                       records: list[dict], save_latest: bool, group: dist.ProcessGroup | None) -> None:
+def pack_job(engine: Any, root: Path, tag: str, client_state: dict[str, Any], save_latest: bool, copy: bool) -> SaveJob:
+    """This rank's share of the checkpoint, in host memory (copies when `copy`: the write may run later)."""
+    meta = engine_meta(engine, tag, client_state)
+    with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
+        tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
+                                 include_buffers=dist.get_rank() == 0, copy=copy or _swapped(engine))
+    meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
+                            "persistent_buffers": persistent_buffers(engine.module),
+                            "optimizer": _optimizer_meta(engine.optimizer)}
+    rng_tensors, rng_json = files.rng_state()  # captured now, not when a background write runs
+    tensors.update(rng_tensors)
+    return SaveJob(root, tag, meta, tensors, records, rng_json, save_latest)
+
+
+def prepare(root: Path, tag: str) -> None:
+    """Rank 0 creates `.<tag>.partial/`; every rank then raises the same error if it could not."""
+    problem = None
+    if dist.get_rank() == 0:
+        partial = layout.partial_dir(root, tag)
+        try:
+            _check_replaceable(root / tag)
+            root.mkdir(parents=True, exist_ok=True)
+            _remove(partial)
+            partial.mkdir()
+        except CheckpointError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"save_checkpoint: {files.write_error(Path(e.filename or partial), e)}"
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+
+
+def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> None:
+    """Every rank writes its file; rank 0 publishes the tag if every rank succeeded, else removes the
+    partial directory. Every rank raises the same error on failure (no rank is left waiting for another)."""
     rank = dist.get_rank()
-    path = partial / layout.rank_file(rank)
-    save_file(tensors, str(path), metadata={"rng": meta.pop("rng_json")})
-    files.fsync_file(path)
-    entry = (path.name, path.stat().st_size, layout.crc32_of(path), records)
+    try:
+        entry: tuple[str, Any] = ("ok", _write_rank_file(job, rank))
+    except Exception as e:  # noqa: BLE001 - reported to every rank through the exchange below
+        entry = ("error", f"rank {rank}: {e}")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, entry, group=group)
-    if rank == 0:
-        _publish(root, partial, tag, meta, gathered, save_latest)
-    dist.barrier(group=group)
+    box = [_publish_or_discard(job, gathered) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+
+
+def _write_rank_file(job: SaveJob, rank: int) -> tuple[str, int, str, list[dict]]:
+    path = job.partial / layout.rank_file(rank)
+    try:
+        save_file(job.tensors, str(path), metadata={"rng": job.rng_json})
+        files.fsync_file(path)
+        return path.name, path.stat().st_size, layout.crc32_of(path), job.records
+    except (OSError, SafetensorError) as e:
+        # the data, the RNG metadata and ~128 header bytes per tensor: what this file takes
+        needed = sum(t.numel() * t.element_size() for t in job.tensors.values()) + len(job.rng_json) + 128 * len(job.tensors)
+        raise CheckpointError(files.write_error(path, e, needed)) from e
+
+
+def _publish_or_discard(job: SaveJob, gathered: list[tuple[str, Any]]) -> str | None:
+    """Rank 0: publish the tag, or say why not (None when published)."""
+    try:
+        errors = [message for status, message in gathered if status == "error"]
+        if errors:
+            raise CheckpointError(" ".join(errors))  # each is a sentence naming its rank and file
+        _publish(job, [value for _, value in gathered])
+    except Exception as e:  # noqa: BLE001 - every rank raises this message
+        shutil.rmtree(job.partial, ignore_errors=True)  # never taken for a checkpoint, but never left either
+        return f"save_checkpoint: tag {job.tag!r} in {job.root} was not saved: {e} `latest` names {_latest(job.root)}."
+    if job.save_latest:
+        try:
+            files.write_durably(job.root / layout.LATEST, job.tag.encode())
+        except CheckpointError as e:
+            return (f"save_checkpoint: {job.root / job.tag} is complete, but `latest` could not be updated: {e} "
+                    f"It still names {_latest(job.root)}.")
+    return None
+
+
+def _latest(root: Path) -> str:
+    latest = root / layout.LATEST
+    return repr(latest.read_bytes().decode(errors="replace")) if latest.is_file() else "no tag (there is none)"
 
 
 def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +216,9 @@ def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
 
-def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered: list[Any], save_latest: bool) -> None:
+def _publish(job: SaveJob, gathered: list[Any]) -> None:
+    """Rank 0: write the manifest from every rank's file entry and rename the tag into place."""
+    meta, partial = job.meta, job.partial
     params: dict[str, dict[str, Any]] = {}
     meta["files"] = {}
     for name, size, crc, records in gathered:
@@ -209,18 +237,40 @@ def _publish(root: Path, partial: Path, tag: str, meta: dict[str, Any], gathered
     meta.update(meta.pop("params_extra"))
     files.write_durably(partial / layout.MANIFEST, json.dumps(meta, indent=1).encode())
     files.fsync_dir(partial)
-    final = root / tag
-    if final.exists():  # re-saving a tag: the old one goes only once the new one is complete
-        replaced = root / f".{tag}.replaced"
-        shutil.rmtree(replaced, ignore_errors=True)
-        final.rename(replaced)
+    _replace(partial, job.root / job.tag)
+    files.fsync_dir(job.root)
+
+
+def _replace(partial: Path, final: Path) -> None:
+    """Rename `partial` to `final`; an existing checkpoint there goes only once the new one is in place."""
+    _check_replaceable(final)
+    if not final.exists():
         partial.rename(final)
-        shutil.rmtree(replaced)
-    else:
+        return
+    replaced = final.with_name(f".{final.name}.replaced")
+    _remove(replaced)
+    final.rename(replaced)
+    try:
         partial.rename(final)
-    files.fsync_dir(root)
-    if save_latest:
-        files.write_durably(root / layout.LATEST, tag.encode())
+    except OSError:
+        replaced.rename(final)
+        raise
+    shutil.rmtree(replaced)
+
+
+def _check_replaceable(final: Path) -> None:
+    """Only a shardwise checkpoint directory is ever replaced: never a link, a file or another directory."""
+    if final.is_symlink() or (final.exists() and not (final.is_dir() and (final / layout.MANIFEST).is_file())):
+        raise CheckpointError(f"save_checkpoint: {final} exists and is not a shardwise checkpoint, so it is left "
+                              "alone; choose another tag or save_dir.")
+
+
+def _remove(path: Path) -> None:
+    """Remove a leftover temporary (`.<tag>.partial` or `.replaced`): a link itself, never what it points to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[str]:

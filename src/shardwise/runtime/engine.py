@@ -60,7 +60,7 @@ class Engine(torch.nn.Module):
         self._window_loss = 0.0
         self._window_tokens = 0
         self.training_dataloader: Any = None
-        from ..checkpoint.save import CheckpointWriter
+        from ..checkpoint.writer import CheckpointWriter
 
         self.checkpoint_writer = CheckpointWriter(config.checkpoint.async_save, config.checkpoint.tag_validation)
         self.instruments = Instruments(config, strategy, comm, device, self.global_rank, topology.data.size)
@@ -135,6 +135,7 @@ class Engine(torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if self._in_no_sync:
             raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
+        self.checkpoint_writer.check()  # a failed background save is raised here, not lost
         boundary = self.is_gradient_accumulation_boundary()
         with self.instruments.step(boundary):
             if boundary:
@@ -189,6 +190,7 @@ class Engine(torch.nn.Module):
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True) -> str:
+        """Write `save_dir/<tag>/`; a tag is one directory name (see `shardwise.checkpoint.save_checkpoint`)."""
         from ..checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
