@@ -94,4 +94,8 @@ def _restore_rng(reader: CheckpointReader, meta: dict[str, Any]) -> None:
         logger.warning("load_checkpoint: no RNG state for rank %d (saved at world size %d); RNG not restored.",
                        rank, meta["world_size"])
         return
-    files.set_rng_state(*saved)
+    try:
+        files.set_rng_state(*saved)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{reader.path / layout.rank_file(rank)}: its RNG state cannot be restored ({e!r}); "
+                              "the file is not one shardwise wrote.") from None

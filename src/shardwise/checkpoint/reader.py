@@ -1,7 +1,9 @@
 """Read a checkpoint tag by parameter name and element range, whatever layout wrote it.
 
 Files are opened lazily and verified (size and CRC32 against the manifest) the first time they
-are touched; only the requested slices are read (safetensors slicing), so loading streams.
+are touched; only the requested slices are read (safetensors slicing), so loading streams. Whatever is
+wrong with a file (missing, corrupt, truncated, foreign, not matching the manifest) is a CheckpointError
+that names it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from . import layout
 from .errors import CheckpointError
+from .manifest import read_manifest
 from .safetensors_file import SafetensorsFile
 from .tags import load_tag_problem
 
@@ -42,28 +45,14 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     return root / str(tag)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    manifest = path / layout.MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{manifest}: missing; {path} is not a complete shardwise checkpoint.")
-    try:
-        meta = json.loads(manifest.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{manifest}: not valid JSON ({e}); the manifest is corrupt.") from None
-    if meta.get("format_version") != layout.FORMAT_VERSION:
-        raise CheckpointError(f"{manifest}: format_version {meta.get('format_version')!r}, this shardwise reads "
-                              f"{layout.FORMAT_VERSION}; it was written by an incompatible shardwise version.")
-    return meta
-
-
 class CheckpointReader:
     def __init__(self, load_dir: str | Path, tag: str | None = None, verify: bool = True):
         self.path = resolve_tag(load_dir, tag)
         self.meta = read_manifest(self.path)
         self.verify = verify
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, SafetensorsFile] = {}
 
-    def file(self, name: str) -> Any:
+    def file(self, name: str) -> SafetensorsFile:
         if name not in self._open:
             path = self.path / name
             expected = self.meta["files"].get(name)
@@ -80,30 +69,45 @@ class CheckpointReader:
     def kinds(self, name: str) -> set[str]:
         return {k for p in self.meta["params"][name]["pieces"] for k in p["kinds"]}
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta["params"][name]["shape"])
+
     def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
         """Copy elements [start, end) of parameter `name`'s `kind` into `out` (casting to its dtype)."""
         pieces = [p for p in self.meta["params"][name]["pieces"] if kind in p["kinds"]]
         filled = 0
         for piece, lo, hi in layout.overlaps(pieces, start, end):
             key = layout.piece_key(name, kind, piece["start"])
-            data = self.file(piece["file"]).read_range(key, lo - piece["start"], hi - piece["start"])
-            out[lo - start : hi - start].copy_(data)
+            source = self.file(piece["file"])
+            if source.numel(key) != piece["end"] - piece["start"]:
+                raise CheckpointError(f"{source.path}: tensor {key!r} has {source.numel(key)} elements, the manifest "
+                                      f"says {piece['end'] - piece['start']}; the file does not match its manifest.")
+            out[lo - start : hi - start].copy_(source.read_range(key, lo - piece["start"], hi - piece["start"]))
             filled += hi - lo
         if filled < end - start:
-            raise CheckpointError(f"{self.path}: {name!r} has no {kind!r} for elements [{start}, {end}).")
+            raise CheckpointError(f"{self.path}: {name!r} (shape {self.shape(name)}) has no {kind!r} for elements "
+                                  f"[{start}, {end}).")
 
     def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        shape = self.meta["params"][name]["shape"]
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(self.shape(name), dtype=dtype)
         self.read_into(name, kind, 0, out.numel(), out.view(-1))
         return out
 
     def buffer(self, name: str) -> torch.Tensor:
         return self.file(layout.rank_file(0)).get_tensor(layout.buffer_key(name))
 
+    def buffer_shape(self, name: str) -> tuple[int, ...]:
+        return self.file(layout.rank_file(0)).shape(layout.buffer_key(name))
+
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], str] | None:
         name = layout.rank_file(rank)
         if name not in self.meta["files"]:
             return None
         f = self.file(name)
-        return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng|")}, f.metadata()["rng"]
+        text = f.metadata().get("rng")
+        try:
+            json.loads(text or "")
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{f.path}: has no readable RNG state in its metadata; the file is not one "
+                                  "shardwise wrote.") from None
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng|")}, text
