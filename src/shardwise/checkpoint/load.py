@@ -29,6 +29,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_str
         slots = engine.strategy.state_slots()
         _check_names(reader, {s.name for s in slots}, {n for n, _ in engine.module.named_parameters()},
                      load_module_strict)
+        _check_shapes(reader, slots, engine.module)
         for slot in slots:
             if reader.has(slot.name):
                 kind = layout.MASTER if layout.MASTER in reader.kinds(slot.name) else layout.VALUE
@@ -59,6 +60,33 @@ def _check_names(reader: CheckpointReader, held: set[str], model: set[str], stri
             "load_module_strict=False to load the matching ones.")
     if missing:
         logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])
+
+
+def _check_shapes(reader: CheckpointReader, slots: list[Any], module: torch.nn.Module) -> None:
+    """Refuse, on every rank alike, any parameter or buffer whose saved shape differs from the model's.
+
+    Reading by element range would otherwise load a smaller checkpoint's first elements into a larger
+    model (or the reverse) without a word. A rank holds slots of only some parameters (stage 3), so
+    the ranks exchange the shapes they hold and every rank checks the whole model.
+    """
+    held = {slot.name: tuple(slot.shape) for slot in slots}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, held)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank_shapes in gathered:
+        shapes.update(rank_shapes)
+    in_model = [n for n, _ in module.named_parameters()]
+    order = [n for n in in_model if n in shapes] + sorted(set(shapes) - set(in_model))  # the model's order
+    differ = [(name, reader.shape(name), shapes[name]) for name in order
+              if reader.has(name) and reader.shape(name) != shapes[name]]
+    differ += [(name, reader.buffer_shape(name), tuple(buf.shape)) for name, buf in module.named_buffers()
+               if name in reader.meta["buffers"] and reader.buffer_shape(name) != tuple(buf.shape)]
+    if differ:
+        listed = "; ".join(f"{name!r}: checkpoint {saved}, model {now}" for name, saved, now in differ)
+        raise CheckpointError(
+            f"{reader.path}: {len(differ)} shape(s) differ between the checkpoint and the model: {listed}. A "
+            "checkpoint loads only into a model of the same shapes (load_module_strict=False skips missing names, "
+            "never different shapes); build the model with the configuration it was saved from.")
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[Any], reader: CheckpointReader) -> None:

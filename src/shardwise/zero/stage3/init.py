@@ -18,7 +18,7 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -194,6 +194,8 @@ def load_state_dict_partitioned(module: torch.nn.Module, state: Mapping[str, tor
     missing = [n for n in named if n not in state]
     if strict and missing:
         raise KeyError(f"load_state_dict_partitioned: missing {missing[:10]}; pass strict=False to skip them.")
+    shapes = {n: (INIT_SHARD_OF[p].shape if p in INIT_SHARD_OF else p.shape) for n, p in named.items()}
+    check_shapes("load_state_dict_partitioned", {**shapes, **{n: b.shape for n, b in module.named_buffers()}}, state)
     with torch.no_grad():
         for name, p in named.items():
             if name not in state:
@@ -207,3 +209,17 @@ def load_state_dict_partitioned(module: torch.nn.Module, state: Mapping[str, tor
                 p.copy_(state[name])
         buffers = {k: v for k, v in state.items() if k not in named}
         module.load_state_dict(buffers, strict=False)
+
+
+def check_shapes(where: str, model: Mapping[str, Sequence[int]], state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a state dict any of whose tensors has another shape than the model's, listing them all.
+
+    Streaming by element range would otherwise copy a larger tensor's first elements, or a smaller one
+    into the start of the parameter, without a word. strict=False skips missing names, never a different
+    shape. Checked before anything is written, and identically on every rank (same model, same state).
+    """
+    differ = [f"{name!r}: state dict {tuple(state[name].shape)}, model {tuple(shape)}"
+              for name, shape in model.items() if name in state and tuple(state[name].shape) != tuple(shape)]
+    if differ:
+        raise ValueError(f"{where}: {len(differ)} shape(s) differ between the state dict and the model: "
+                         f"{'; '.join(differ)}. Load a state dict of a model built with the same configuration.")

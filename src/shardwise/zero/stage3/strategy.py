@@ -27,6 +27,7 @@ from ..grad_buckets import Bucket, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
+from .init import check_shapes
 from .state_dict import LocalStateDict, consolidated_state_dict
 from .unit import LiveParams, ParamUnit
 
@@ -143,6 +144,7 @@ class Stage3:
         """Stream full weights into the slices: each rank keeps the part of each tensor it owns."""
         names = {n for u in self.units for n in u.names}
         _check_names(names, set(state), strict)
+        check_shapes("load_module_state_dict", {n: s for u in self.units for n, s in zip(u.names, u.shapes)}, state)
         with self.resident(), torch.no_grad():
             for unit in self.units:
                 target = unit.master if unit.master is not None else unit.shard
