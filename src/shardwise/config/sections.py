@@ -155,6 +155,10 @@ class Config(Section):
     collective_timeout_s: float = Field(
         1800.0, gt=0.0, description="a collective not done after this long is an error naming rank, op and group"
     )
+    collective_warn_after_s: float = Field(
+        60.0, ge=0.0, description="a collective still pending after this long logs once which ranks have not "
+        "arrived, then keeps waiting up to collective_timeout_s; 0 turns the warning off"
+    )
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
     torch_autocast: TorchAutocastConfig = TorchAutocastConfig()

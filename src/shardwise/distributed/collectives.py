@@ -1,9 +1,11 @@
 """The one choke point every collective of the library passes through.
 
 It counts calls and bytes per (op, group) — tests assert on these counts and the comms logger reads
-them, with each message size's latency from issue to completed wait — and bounds every wait: a
-collective that does not finish within the timeout becomes a `CollectiveTimeout` naming the rank, the
-op, the group and the tensor shape, never a silent hang.
+them, with each message size's latency from issue to completed wait — numbers them per group ("call #57",
+the same on every rank) and bounds every wait: a collective still pending after `warn_after_s` logs which
+ranks have not arrived, and one that does not finish within the timeout becomes a `CollectiveTimeout`
+naming the rank, the op, the group, the tensor shape and the ranks that never arrived, never a silent hang
+(`pending.py`; who arrived comes from the shared-memory headers or from `progress.py`).
 
 CPU tensors of a gloo group whose ranks share a host go through shared memory (`shm.py`): a third to a
 fifth of gloo's CPU time (benchmarks/cpu_collectives.py). Otherwise, on gloo, the flat all-gather and
@@ -26,21 +28,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .pending import AllOf, CollectiveError, CollectiveTimeout, Pending
+from .progress import ProgressBoard, describe_laggards, Laggard
 from .shm import ShmChannel, supported as shm_supports
 from .topology import Group
+
+__all__ = ["Collectives", "CollectiveError", "CollectiveTimeout", "CommStats", "Pending"]
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.5) only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message carries `[rank r/W, <group> group]`."""
-
-
-class CollectiveTimeout(CollectiveError):
-    pass
 
 
 @dataclass
@@ -106,76 +104,33 @@ class CommStats:
         self.ops.clear()
 
 
-class Pending:
-    """An issued collective; `wait()` bounds the wait and turns failures into a named error."""
-
-    def __init__(self, work: dist.Work | None, describe: str, timeout: datetime.timedelta,
-                 completed: Callable[[], None] | None = None):
-        self._work, self._describe, self._timeout = work, describe, timeout
-        self._completed = completed
-
-    def done(self) -> bool:
-        """Whether the collective has completed (a failed one counts as done: `wait()` raises its error)."""
-        return self._work is None or self._work.is_completed()
-
-    def wait(self) -> None:
-        on_done, self._completed = self._completed, None
-        if self._work is None:
-            if on_done is not None:
-                on_done()
-            return
-        work, self._work = self._work, None
-        try:
-            completed = work.wait(timeout=self._timeout)
-        except RuntimeError as e:
-            kind = CollectiveTimeout if "timed out" in str(e).lower() else CollectiveError
-            raise kind(f"{self._describe}: {e}") from e
-        if completed is False:
-            raise CollectiveTimeout(f"{self._describe}: did not complete within {self._timeout}")
-        if on_done is not None:
-            on_done()
-
-
 def _own_chunk(part: torch.Tensor, flat: torch.Tensor, group: Group) -> bool:
     """Whether `part` is this rank's chunk of `flat` (the collective then works in place)."""
     return part.data_ptr() == flat.data_ptr() + group.rank * part.nbytes
 
 
-class _AllOf:
-    """Several works that together are one collective; `then` runs once all have completed."""
-
-    def __init__(self, works: list[dist.Work], then: Callable[[], None] | None = None):
-        self._works, self._then = works, then
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        for work in self._works:
-            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-            if work.wait(timeout=left) is False:
-                return False
-        if self._then is not None:
-            self._then()
-        return True
-
-
 class Collectives:
     """Issues collectives on a `Group`, counting them in `stats` and bounding waits by `timeout_s`.
 
+    A collective still pending after `warn_after_s` (0: never) logs once which ranks have not arrived, and
+    one pending after `timeout_s` raises `CollectiveTimeout` naming them ([Note: waiting for a collective]).
     CPU tensors on a gloo group whose ranks share a host go through shared memory (`shm.py`);
     `shm=False`, or the environment variable SHARDWISE_SHM_COLLECTIVES=0, keeps gloo.
     `per_rank_on_gloo=False` keeps gloo's own flat all-gather and reduce-scatter (for comparison)."""
 
     def __init__(self, timeout_s: float = 1800.0, stats: CommStats | None = None, per_rank_on_gloo: bool = True,
-                 shm: bool | None = None):
+                 shm: bool | None = None, warn_after_s: float = 60.0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.warn_after_s = warn_after_s
         self.stats = stats if stats is not None else CommStats()
         self.per_rank_on_gloo = per_rank_on_gloo
         self.use_shm = os.environ.get("SHARDWISE_SHM_COLLECTIVES", "1") != "0" if shm is None else shm
         self._global_ranks: dict[dist.ProcessGroup, list[int] | None] = {}
         self._channels: dict[dist.ProcessGroup, ShmChannel | None] = {}
+        self._calls: dict[str, int] = {}
+        """Collectives issued per group name: the "call #" of messages, the same on every rank of a group."""
+        first_look = min(warn_after_s or timeout_s, timeout_s)
+        self.progress = ProgressBoard(interval_s=min(max(first_look / 4, 0.05), 5.0))
 
     def _channel(self, group: Group, *tensors: torch.Tensor) -> ShmChannel | None:
         """The group's shared-memory channel when it serves these tensors, opening it on first use (a
@@ -194,26 +149,39 @@ class Collectives:
             self._global_ranks[group.pg] = dist.get_process_group_ranks(group.pg) if split else None
         return self._global_ranks[group.pg]
 
-    def _issue(self, op: str, group: Group, tensor: torch.Tensor, launch) -> Pending:
+    def _issue(self, op: str, group: Group, tensor: torch.Tensor, launch: Callable[[int], object],
+               channel: ShmChannel | None = None) -> Pending:
+        """Count, number and launch one collective; `launch(call)` starts it (on `channel` if given)."""
         completed = self.stats.record(op, group.name, tensor, group.size)
+        call = self._calls[group.name] = self._calls.get(group.name, 0) + 1
         describe = (
             f"[rank {dist.get_rank()}/{dist.get_world_size()}, {group.name} group] {op} of "
-            f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+            f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} (call #{call})"
         )
         if group.size == 1:
             return Pending(None, describe, self.timeout, completed)
+        self.progress.note(group.name, call, op)
+        diagnose = lambda final: self._who_is_missing(group, call, op, channel, final)  # noqa: E731 - slow path only
         try:
-            work = launch()
+            work = launch(call)
         except RuntimeError as e:
-            raise CollectiveError(f"{describe}: {e}") from e
-        return Pending(work, describe, self.timeout, completed)
+            raise CollectiveError(f"{describe} failed: {e}; {diagnose(True)}") from e
+        return Pending(work, describe, self.timeout, completed, self.warn_after_s, diagnose)
+
+    def _who_is_missing(self, group: Group, call: int, op: str, channel: ShmChannel | None, final: bool) -> str:
+        """Which ranks of `group` have not reached collective `call` (the slow path of a wait)."""
+        ranks = dist.get_process_group_ranks(group.pg)
+        if channel is None:
+            return describe_laggards(*self.progress.laggards(group.name, ranks, call, op), final)
+        return describe_laggards([Laggard(ranks[k], last_call, last_op, "exited" if exited else "")
+                                  for k, last_call, last_op, exited in channel.laggards()], [], final)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
         channel = self._channel(group, tensor) if shm_supports(op) else None
         if channel is not None:
-            return self._issue("all_reduce", group, tensor, lambda: channel.all_reduce(tensor, op))
+            return self._issue("all_reduce", group, tensor, lambda call: channel.all_reduce(tensor, op, call), channel)
         return self._issue("all_reduce", group, tensor,
-                           lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=True))
+                           lambda _: dist.all_reduce(tensor, op=op, group=group.pg, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor, group: Group) -> Pending:
         """Sum `input_flat` (group.size equal chunks) across ranks; this rank's chunk lands in `output`,
@@ -223,19 +191,19 @@ class Collectives:
         channel = self._channel(group, output, input_flat)
         if channel is not None:
             return self._issue("reduce_scatter", group, input_flat,
-                               lambda: channel.reduce_scatter(output, input_flat))
+                               lambda call: channel.reduce_scatter(output, input_flat, call), channel)
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
             if input_flat.device.type == "cpu" and _own_chunk(output, input_flat, group):
                 input_flat = input_flat.clone()  # gloo's own reduce-scatter does not work in place
             return self._issue("reduce_scatter", group, input_flat,
-                               lambda: _reduce_scatter(output, input_flat, group=group.pg, async_op=True))
+                               lambda _: _reduce_scatter(output, input_flat, group=group.pg, async_op=True))
         chunks = input_flat.view(group.size, -1).unbind(0)
 
-        def per_rank() -> _AllOf:
+        def per_rank(_: int) -> AllOf:
             works = [dist.reduce(chunk, dst=r, group=group.pg, async_op=True) for chunk, r in zip(chunks, ranks)]
             mine = chunks[group.rank]
-            return _AllOf(works, None if _own_chunk(output, input_flat, group) else lambda: output.copy_(mine))
+            return AllOf(works, None if _own_chunk(output, input_flat, group) else lambda: output.copy_(mine))
 
         return self._issue("reduce_scatter", group, input_flat, per_rank)
 
@@ -245,19 +213,20 @@ class Collectives:
             output_flat.copy_(shard)
         channel = self._channel(group, output_flat, shard)
         if channel is not None:
-            return self._issue("all_gather", group, output_flat, lambda: channel.all_gather(output_flat, shard))
+            return self._issue("all_gather", group, output_flat,
+                               lambda call: channel.all_gather(output_flat, shard, call), channel)
         ranks = self._per_rank(group) if group.size > 1 else None
         if ranks is None:
             if shard.device.type == "cpu" and _own_chunk(shard, output_flat, group):
                 shard = shard.clone()  # gloo copies the input into the output: not in place
             return self._issue("all_gather", group, output_flat,
-                               lambda: _all_gather(output_flat, shard, group=group.pg, async_op=True))
+                               lambda _: _all_gather(output_flat, shard, group=group.pg, async_op=True))
         chunks = output_flat.view(group.size, -1).unbind(0)
 
-        def per_rank() -> _AllOf:
+        def per_rank(_: int) -> AllOf:
             if not _own_chunk(shard, output_flat, group):
                 chunks[group.rank].copy_(shard)
-            return _AllOf([dist.broadcast(chunk, src=r, group=group.pg, async_op=True) for chunk, r in zip(chunks, ranks)])
+            return AllOf([dist.broadcast(chunk, src=r, group=group.pg, async_op=True) for chunk, r in zip(chunks, ranks)])
 
         return self._issue("all_gather", group, output_flat, per_rank)
 
@@ -265,7 +234,7 @@ class Collectives:
         channel = self._channel(group, tensor)
         if channel is not None:
             return self._issue("broadcast", group, tensor,
-                               lambda: channel.broadcast(tensor, src_rank_in_group))
+                               lambda call: channel.broadcast(tensor, src_rank_in_group, call), channel)
         src = dist.get_global_rank(group.pg, src_rank_in_group)
         return self._issue("broadcast", group, tensor,
-                           lambda: dist.broadcast(tensor, src=src, group=group.pg, async_op=True))
+                           lambda _: dist.broadcast(tensor, src=src, group=group.pg, async_op=True))

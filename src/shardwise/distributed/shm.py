@@ -7,7 +7,8 @@ against 7 ms, an all-gather 8-13 ms against 3 ms (`benchmarks/cpu_collectives.py
 backend has a shared-memory all-reduce for the same reason.
 
 How: each rank owns one file in /dev/shm that every rank of the group maps: a header holding the rank's
-sequence counter, then two regions. A collective runs in pieces no larger than a region; for each piece a
+sequence counter (and the number and op of the collective it last started, which its peers name when it
+never arrives: `laggards`), then two regions. A collective runs in pieces no larger than a region; for each piece a
 rank writes its contribution into its region, publishes the piece's sequence number, waits until every
 peer has published it, and reads what it needs from the peers' regions. Pieces alternate between the two
 regions, so a rank writes a region again only once every peer has published the next piece, which it does
@@ -41,13 +42,22 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .progress import alive, pid_namespace
+
 SHM_DIR = "/dev/shm"
 REGION_BYTES = 2**20
 """Bytes per region (two per rank). Every rank maps every region, and those it touches count in its RSS
 (4 MiB per rank at world size 2). Larger regions would mean fewer synchronisations (about 0.1 ms each),
 but 1 MiB was as fast as 2 MiB, and as fast as or faster than 4 MiB, at every size of
 `benchmarks/cpu_collectives.py`: regions this small stay in cache between the writer and the readers."""
-_HEADER = 4096  # sequence counter (int64) at 0, the rank's token (32 ASCII bytes) at 8
+_HEADER = 4096  # sequence counter (int64) at 0, the rank's token (32 ASCII bytes) at 8, its collective at 40
+WAITER_FIRST_S = 1.0
+"""The worker gives up this long after the timeout, so that the thread waiting for the collective (which
+names the ranks that never arrived) times out first; the worker's own limit is for collectives nobody waits for."""
+_CALL_AT = 40
+"""The number and op of the collective the rank's worker last started (two int64): what its peers report
+when it never arrives (`laggards`)."""
+_OPS = ("", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 _REDUCE = {
     dist.ReduceOp.SUM: torch.add,
     dist.ReduceOp.MAX: torch.maximum,
@@ -109,7 +119,7 @@ class ShmChannel:
         path = os.path.join(directory, f"shardwise-{token}")
         mine = _create(path, token, _HEADER + 2 * region_bytes) if platform.machine() in ("x86_64", "AMD64") else None
         offers: list = [None] * size
-        dist.all_gather_object(offers, (path if mine else None, token, (os.getpid(), _pid_namespace())), group=pg)
+        dist.all_gather_object(offers, (path if mine else None, token, (os.getpid(), pid_namespace())), group=pg)
         maps: list[mmap.mmap] | None = None
         if all(p is not None for p, _, _ in offers):
             maps = [mine if k == rank else _attach(p, t, _HEADER + 2 * region_bytes) for k, (p, t, _) in enumerate(offers)]
@@ -125,12 +135,14 @@ class ShmChannel:
         same_pids = len({ns for _, _, (_, ns) in offers}) == 1  # else a peer's pid means nothing here
         return cls(maps, rank, region_bytes, timeout_s, [pid if same_pids else None for _, _, (pid, _) in offers])
 
-    def _submit(self, run: Callable[[], None]) -> ShmWork:
-        """Queue a collective on the worker; it runs after those queued before."""
+    def _submit(self, run: Callable[[], None], op: str, call: int) -> ShmWork:
+        """Queue a collective (number `call` of the group, for error messages) on the worker; it runs after
+        those queued before."""
 
         def guarded() -> None:
             if self._broken is not None:  # the ranks' sequence numbers no longer agree
                 raise RuntimeError(f"an earlier shared-memory collective of this group failed: {self._broken}")
+            struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, call, _OPS.index(op))
             try:
                 run()
             except BaseException as e:
@@ -143,7 +155,7 @@ class ShmChannel:
 
     # The collectives, queued on the worker: each is a sequence of pieces that every rank runs in the same order.
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> ShmWork:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, call: int = 0) -> ShmWork:
         combine = _REDUCE[op]
 
         def run() -> None:
@@ -160,9 +172,9 @@ class ShmChannel:
             if flat.data_ptr() != tensor.data_ptr():
                 tensor.copy_(flat.view_as(tensor))
 
-        return self._submit(run)
+        return self._submit(run, "all_reduce", call)
 
-    def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor) -> ShmWork:
+    def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor, call: int = 0) -> ShmWork:
         def run() -> None:
             chunks = input_flat.view(self.size, -1)
             own = chunks[self.rank]
@@ -181,9 +193,9 @@ class ShmChannel:
                     if k != self.rank:
                         out.add_(self._region(k, slot, own.dtype)[self.rank * step :][:width])
 
-        return self._submit(run)
+        return self._submit(run, "reduce_scatter", call)
 
-    def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor) -> ShmWork:
+    def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor, call: int = 0) -> ShmWork:
         def run() -> None:
             chunks = output_flat.view(self.size, -1)
             for lo, hi in self._pieces(shard.numel(), shard.element_size(), 1):
@@ -196,9 +208,9 @@ class ShmChannel:
             if chunks[self.rank].data_ptr() != shard.data_ptr():
                 chunks[self.rank].copy_(shard)
 
-        return self._submit(run)
+        return self._submit(run, "all_gather", call)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> ShmWork:
+    def broadcast(self, tensor: torch.Tensor, src: int, call: int = 0) -> ShmWork:
         def run() -> None:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             for lo, hi in self._pieces(flat.numel(), flat.element_size(), 1):
@@ -211,7 +223,17 @@ class ShmChannel:
             if self.rank != src and flat.data_ptr() != tensor.data_ptr():
                 tensor.copy_(flat.view_as(tensor))
 
-        return self._submit(run)
+        return self._submit(run, "broadcast", call)
+
+    def laggards(self) -> list[tuple[int, int, str, bool]]:
+        """The group ranks that have not published the piece this rank's worker is at (or last ran), each with
+        the number and op of the collective it last started and whether it has exited."""
+        behind = []
+        for k in range(self.size):
+            if struct.unpack_from("<q", self.maps[k], 0)[0] < self._seq:
+                call, op = struct.unpack_from("<qq", self.maps[k], _CALL_AT)
+                behind.append((k, call, _OPS[op] if 0 <= op < len(_OPS) else "?", not alive(self.pids[k])))
+        return behind
 
     # Pieces, regions and the synchronisation.
 
@@ -231,7 +253,7 @@ class ShmChannel:
     def _publish_and_wait(self) -> None:
         self._seq += 1
         struct.pack_into("<q", self.maps[self.rank], 0, self._seq)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + WAITER_FIRST_S
         pause, checked = 0.0, time.monotonic()
         for k in range(self.size):
             while struct.unpack_from("<q", self.maps[k], 0)[0] < self._seq:
@@ -245,7 +267,7 @@ class ShmChannel:
                                        f"in a shared-memory collective")
                 if now - checked > 1.0:
                     checked = now
-                    if not _alive(self.pids[k]):
+                    if not alive(self.pids[k]):
                         raise RuntimeError(f"rank {k} of the group (pid {self.pids[k]}) exited during a shared-memory collective")
 
 
@@ -293,22 +315,3 @@ def _attach(path: str, token: str, nbytes: int) -> mmap.mmap | None:
         m.close()
         return None
     return m
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
