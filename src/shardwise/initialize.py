@@ -23,6 +23,7 @@ from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
 from .runtime.data import DistributedLoader
 from .runtime.engine import Engine
+from .runtime.rank_fingerprint import check_ranks_agree
 from .runtime.strategy import MakeOptimizer, ParamGroups, StrategyInputs, make_strategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[ParamGroups], torch.optim.Optimizer] | None
@@ -62,8 +63,9 @@ def initialize(
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = accelerator.device_for(local_rank)
     check_autocast(cfg.torch_autocast, device)
+    check_ranks_agree(cfg, model, groups, device)  # before any collective that would hang on a difference
     topology = Topology(device.type)
-    comm = Collectives(cfg.collective_timeout_s)
+    comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
     model.to(device)
     _broadcast_module(model, topology.data, comm)
     precision = PrecisionPolicy.from_config(cfg)
