@@ -61,7 +61,7 @@ def _make(name: str, params: list[Any]) -> Any:
     import torch
 
     if name == "shardwise CPUAdam":
-        from shardwise.ops.cpu_adam import CPUAdam
+        from shardwise.ops import CPUAdam
 
         return CPUAdam(params, adamw_mode=True, **HP)
     if name == "torch fused":

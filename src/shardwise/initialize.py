@@ -43,14 +43,18 @@ def initialize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     config: str | Path | Mapping[str, Any] | None = None,
     config_params: str | Path | Mapping[str, Any] | None = None,
+    distributed_port: int = 29500,
+    mesh_param: Any = None,
 ) -> tuple[Engine, torch.optim.Optimizer, DistributedLoader | None, Any]:
     """Build a training engine around `model`: `(engine, optimizer, training_dataloader, lr_scheduler)`."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: an nn.Module is required; got {type(model).__name__}.")
     if mpu is not None:
         raise ValueError("mpu: Megatron-style model-parallel units are not supported yet; drop the argument.")
+    if mesh_param is not None:
+        raise ValueError(f"mesh_param: sequence-parallel meshes are not supported yet; got {mesh_param!r}. Drop it.")
     raw = _config_source(args, config, config_params)
-    init_distributed(dist_init_required=dist_init_required)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     ensure_console_handler()
     cfg = parse_config(raw, dp_size=dist.get_world_size())
     groups = _param_groups(optimizer, model_parameters, model)

@@ -12,7 +12,8 @@ from .errors import CheckpointError
 from .reader import CheckpointReader
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1024' → bytes."""
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
     for suffix, factor in units.items():
         if text.upper().endswith(suffix):
@@ -36,7 +37,7 @@ def inspect(args: argparse.Namespace) -> None:
 
 def to_fp32(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    paths = consolidate(args.checkpoint, args.out, args.tag, _size(args.max_shard_size), dtype)
+    paths = consolidate(args.checkpoint, args.out, args.tag, parse_size(args.max_shard_size), dtype)
     print(f"wrote {len(paths)} file(s) to {args.out}: {', '.join(p.name for p in paths)}")
 
 

@@ -20,11 +20,13 @@ from .reader import CheckpointReader
 from .safetensors_file import SafetensorsWriter
 
 INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
-def _specs(reader: CheckpointReader, dtype: torch.dtype) -> list[Spec]:
-    specs = [(name, dtype, tuple(entry["shape"])) for name, entry in reader.meta["params"].items()]
+def _specs(reader: CheckpointReader, dtype: torch.dtype, exclude_frozen: bool = False) -> list[Spec]:
+    specs = [(name, dtype, tuple(entry["shape"])) for name, entry in reader.meta["params"].items()
+             if entry["trainable"] or not exclude_frozen]
     rank0 = reader.file(layout.rank_file(0))
     for name in reader.meta.get("persistent_buffers", []):
         buf = rank0.get_tensor(layout.buffer_key(name))
@@ -56,25 +58,34 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Te
 
 
 def consolidate(checkpoint: str | Path, out_dir: str | Path, tag: str | None = None,
-                max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32) -> list[Path]:
-    """Write the full weights of `checkpoint` to `out_dir`; returns the files written."""
+                max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32,
+                exclude_frozen: bool = False, pickle_format: bool = False) -> list[Path]:
+    """Write the full weights of `checkpoint` to `out_dir`; returns the files written.
+
+    `pickle_format` writes `pytorch_model*.bin` files with `torch.save` instead of safetensors, for
+    DeepSpeed's `convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False)`: each such file is
+    built whole in memory (torch.save cannot stream), so its peak is one shard rather than one tensor."""
     reader = CheckpointReader(checkpoint, tag)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = _plan(_specs(reader, dtype), max_shard_bytes)
+    shards = _plan(_specs(reader, dtype, exclude_frozen), max_shard_bytes)
+    stem, suffix, index = ("pytorch_model", ".bin", PICKLE_INDEX) if pickle_format else ("model", ".safetensors", INDEX)
     if len(shards) == 1:
-        names = ["model.safetensors"]
+        names = [stem + suffix]
     else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
     for specs, name in zip(shards, names):
         tmp = out / f".{name}.partial"
-        writer = SafetensorsWriter(tmp, specs, metadata={"format": "pt"})
-        for tensor_name, tensor_dtype, _ in specs:
-            writer.write(tensor_name, _tensor(reader, tensor_name, tensor_dtype))
-        writer.close()
+        if pickle_format:
+            torch.save({n: _tensor(reader, n, d) for n, d, _ in specs}, tmp)
+        else:
+            writer = SafetensorsWriter(tmp, specs, metadata={"format": "pt"})
+            for tensor_name, tensor_dtype, _ in specs:
+                writer.write(tensor_name, _tensor(reader, tensor_name, tensor_dtype))
+            writer.close()
         os.replace(tmp, out / name)
     if len(shards) > 1:
         total = sum((out / n).stat().st_size for n in names)
         weight_map = {spec[0]: name for specs, name in zip(shards, names) for spec in specs}
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (out / index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return [out / n for n in names]

@@ -48,6 +48,7 @@ def load_raw(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Config:
     """Validate a raw config for `dp_size` data-parallel ranks and return the typed, frozen Config."""
     raw = load_raw(config)
+    as_given = copy.deepcopy(raw)
     problems: list[str] = []
     apply_spellings(raw, problems)
     autos = resolve_auto(raw, problems)
@@ -70,6 +71,7 @@ def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Co
     assert cfg is not None
     if autos:
         _note_autos(cfg, autos)
+    cfg._raw = as_given
     return cfg
 
 

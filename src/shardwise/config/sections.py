@@ -8,14 +8,15 @@ silently ignored setting.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .base import Section
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
 from .training import OptimizerConfig, SchedulerConfig
+from .raw_view import RawConfigView
 
 __all__ = ["ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "Config", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
            "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "Section", "TorchAutocastConfig", "ZeroConfig"]
@@ -138,8 +139,11 @@ class ActivationCheckpointingConfig(Section):
     profile: bool = False
 
 
-class Config(Section):
-    """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved."""
+class Config(Section, RawConfigView):
+    """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved; `get`/`[]`/`in`
+    read the raw dict as given (see `raw_view.py`)."""
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     train_batch_size: int = Field(ge=1)
     train_micro_batch_size_per_gpu: int = Field(ge=1)

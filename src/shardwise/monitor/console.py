@@ -69,3 +69,18 @@ def _line_part(short: str, value: float) -> tuple[str, str]:
     if short.startswith("memory_") and short.endswith("_mb"):
         return "memory (MB) | ", f"{short[len('memory_'):-len('_mb')]} {value:,.2f}"
     return "", _FORMATS.get(short, short + " {:.6g}").format(value)
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """DeepSpeed's `log_dist`: log `message` on the listed global ranks ([-1]: every rank); with no ranks,
+    only when no process group exists (a single process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        should = True
+    else:
+        ranks = ranks or []
+        should = bool(ranks) and (ranks[0] == -1 or dist.get_rank() in ranks)
+    if should:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        logger.log(level, "[Rank %d] %s", rank, message)

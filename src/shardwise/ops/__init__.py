@@ -1,5 +1,7 @@
-"""Optimizer kernels usable on their own: `shardwise.ops.CPUAdam` (DeepSpeedCPUAdam's interface)."""
+"""Optimizers usable on their own, with DeepSpeed's constructors: `CPUAdam` (DeepSpeedCPUAdam), `FusedAdam`,
+`CPUAdagrad` (DeepSpeedCPUAdagrad), `FusedLamb` (DeepSpeed's FusedLamb = `shardwise.optim.lamb.Lamb`)."""
 
-from .cpu_adam import CPUAdam
+from ..optim.lamb import Lamb as FusedLamb
+from .adam import CPUAdagrad, CPUAdam, FusedAdam
 
-__all__ = ["CPUAdam"]
+__all__ = ["CPUAdagrad", "CPUAdam", "FusedAdam", "FusedLamb"]

@@ -14,6 +14,7 @@ saved tensor, so it runs only with `memory_breakdown: true`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Iterator
@@ -187,3 +188,18 @@ def memory_breakdown(strategy: Any, device: torch.device, stage: int, dp_size: i
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return MemoryBreakdown(parameters, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's `see_memory_usage`: log the device's current and peak memory on rank 0 when `force`."""
+    import torch.distributed as dist
+
+    from .. import accelerator
+
+    if not force or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    device = accelerator.get_accelerator()
+    mb = 2.0**20
+    logging.getLogger("shardwise").info(
+        "%s | allocated %.1f MB | peak %.1f MB | reserved %.1f MB", message, device.memory_allocated() / mb,
+        device.max_memory_allocated() / mb, device.memory_reserved() / mb)

@@ -20,11 +20,14 @@ from ..precision import PrecisionPolicy
 from ..precision.autocast import forward_autocast
 from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
+from ..profiling.throughput import ThroughputTimer
+from . import param_access
+from .deepspeed_surface import DeepSpeedSurface
 from .step import StepResult, take_step
 from .strategy import ShardingStrategy
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedSurface, torch.nn.Module):
     def __init__(
         self,
         config: Config,
@@ -66,6 +69,8 @@ class Engine(torch.nn.Module):
         self.instruments = Instruments(config, strategy, comm, device, self.global_rank, topology.data.size)
         self._autocast = forward_autocast(config.torch_autocast, device)
         self.monitor = self.instruments.monitor
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
+        param_access.register(self)
 
     # --- DeepSpeed's accessors -------------------------------------------------------------
     @property
@@ -153,6 +158,7 @@ class Engine(torch.nn.Module):
             self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        self.tput_timer.step_done()
         gas = self.gradient_accumulation_steps()
         self.instruments.on_step(StepFigures(
             self.global_steps, self.global_samples, self._window_loss / gas, self.train_batch_size(),
@@ -194,6 +200,10 @@ class Engine(torch.nn.Module):
         from ..checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def destroy(self) -> None:
         """Finish a background save and release what the engine holds outside memory (NVMe swap files)."""

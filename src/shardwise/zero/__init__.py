@@ -1,6 +1,7 @@
 """ZeRO: the flat-buffer primitive, gradient buckets and the sharding strategies for stages 0-3."""
 
 from .memory import estimate_model_states_memory, formula_bytes, measured_bytes
+from .on_device import OnDevice
 from .stage3.ds_attributes import ZeroParamStatus
 from .stage3.init import GatheredParameters, Init, load_state_dict_partitioned
 from .stage3.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
@@ -9,6 +10,7 @@ from .stage3.registry import register_external_parameter
 __all__ = [
     "GatheredParameters",
     "Init",
+    "OnDevice",
     "ZeroParamStatus",
     "estimate_model_states_memory",
     "formula_bytes",

@@ -1,0 +1,3 @@
+from shardwise.accelerator import get_accelerator
+
+__all__ = ["get_accelerator"]

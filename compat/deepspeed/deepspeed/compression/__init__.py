@@ -1,0 +1,3 @@
+from . import helper
+
+__all__ = ["helper"]

@@ -1,0 +1,3 @@
+from . import layer, utils
+
+__all__ = ["layer", "utils"]

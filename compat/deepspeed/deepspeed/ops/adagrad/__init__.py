@@ -1,0 +1,3 @@
+from shardwise.ops import CPUAdagrad as DeepSpeedCPUAdagrad
+
+__all__ = ["DeepSpeedCPUAdagrad"]

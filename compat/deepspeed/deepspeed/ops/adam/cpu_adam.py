@@ -1,0 +1,3 @@
+from shardwise.ops import CPUAdam as DeepSpeedCPUAdam
+
+__all__ = ["DeepSpeedCPUAdam"]

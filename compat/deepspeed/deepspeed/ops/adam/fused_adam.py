@@ -1,0 +1,3 @@
+from shardwise.ops import FusedAdam
+
+__all__ = ["FusedAdam"]

@@ -1,0 +1,3 @@
+from shardwise.ops import FusedLamb
+
+__all__ = ["FusedLamb"]

@@ -1,0 +1,3 @@
+from . import zero
+
+__all__ = ["zero"]

@@ -1,0 +1,3 @@
+from . import checkpointing
+
+__all__ = ["checkpointing"]

@@ -1,0 +1,3 @@
+from shardwise.runtime.engine import Engine as DeepSpeedEngine
+
+__all__ = ["DeepSpeedEngine"]

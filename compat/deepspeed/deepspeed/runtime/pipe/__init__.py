@@ -1,0 +1,3 @@
+from ...pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

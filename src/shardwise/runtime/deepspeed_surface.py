@@ -1,0 +1,92 @@
+"""The parts of DeepSpeed's engine surface that only answer questions, mixed into `Engine`.
+
+Scripts written for DeepSpeed, Hugging Face's Trainer and accelerate call these (`fp16_enabled()`,
+`zero_optimization_stage()`, `tput_timer`, ...); they read the config and the engine's state and change
+nothing, so they live apart from the engine's training logic. Attributes neither the engine nor this
+surface has are looked up on the wrapped module, as DeepSpeed does (`engine.gradient_checkpointing_enable()`
+reaches a Hugging Face model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DeepSpeedSurface:
+    config: Any
+    module: torch.nn.Module
+    topology: Any
+
+    # --- precision and ZeRO --------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def amp_enabled(self) -> bool:
+        return False
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero_optimization.stage > 0
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.config.zero_optimization.offload_param.device != "none"
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(model dtype, gradient-accumulation dtype), as DeepSpeed reports them."""
+        return self.precision.param_dtype, self.precision.grad_accum_dtype  # type: ignore[attr-defined]
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        return self.precision.reduce_dtype  # type: ignore[attr-defined]
+
+    # --- layout ------------------------------------------------------------------------------
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.data.size
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.topology.sizes["tensor"]
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return self.topology.data.pg
+
+    # --- attributes of the wrapped module ----------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return torch.nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
+                                     f"attribute {name!r}") from None
