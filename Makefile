@@ -6,25 +6,52 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NUM_PROCS ?= 2
+# The real DeepSpeed, in a venv of its own, as the reference the parity tests compare against.
+DS_VENV := .dsvenv
+DS_STAMP := $(DS_VENV)/.installed
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install demo test test-fast clean finetune-demo
+.PHONY: install deepspeed-compat demo test test-deepspeed clean finetune-demo
 
-$(STAMP): pyproject.toml
+# shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
+# Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
+$(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e ./compat/deepspeed
 	touch $@
 
 install: $(STAMP)
+
+# "Using shardwise under Hugging Face Trainer / accelerate / DeepSpeed scripts" (README): the `deepspeed`
+# package and command in .venv, mapped onto shardwise.
+deepspeed-compat: $(STAMP)
+	@$(BIN)/python -c "import deepspeed; print('deepspeed', deepspeed.__version__, 'from', deepspeed.__file__)"
 
 demo: $(STAMP)
 	$(BIN)/shardwise --num_gpus $(NUM_PROCS) examples/demo/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
+
+# The same transformers/peft/accelerate as .venv, with the real DeepSpeed instead of the compat package.
+$(DS_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(DS_VENV)
+	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich tqdm \
+		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy)==')
+	touch $@
+
+# Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
+# Trainer-level comparisons from .venv, which run each script under both.
+test-deepspeed: $(STAMP) $(DS_STAMP)
+	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs \
+		tests/distributed/test_deepspeed_parity.py tests/unit/test_deepspeed_parity_optim.py
+	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat
 
 clean:
-	rm -rf $(VENV) checkpoints runs .pytest_cache
+	rm -rf $(VENV) $(DS_VENV) checkpoints runs .pytest_cache
 
 # LoRA fine-tuning of a tiny LLaMA under ZeRO-3 (examples/finetune_llm/README.md): a briefly pretrained base,
 # then the adapter on the bundled prompt/response pairs, then greedy completions from the merged weights.

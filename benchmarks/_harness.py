@@ -41,11 +41,12 @@ def rss_mib() -> float:
 
 
 def has_deepspeed() -> bool:
+    """The real DeepSpeed is importable (shardwise's compatibility package, also named deepspeed, is not it)."""
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
-    return True
+    return not str(deepspeed.__version__).endswith("+shardwise")
 
 
 def free_port() -> int:

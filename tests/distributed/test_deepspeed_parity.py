@@ -10,7 +10,8 @@ CPU FusedAdam takes lr, betas and bias corrections as fp32 and multiplies by 1/s
 where torch divides in double, so the two drift apart by a few ulps per step; measured: at most 4e-7
 relative over 12 steps).
 
-DeepSpeed is a reference here, never a dependency: without it the whole module skips. To run it:
+DeepSpeed is a reference here, never a dependency: without it the whole module skips (see
+tests/reference.py). `make test-deepspeed` runs it, as .ci/run does, or by hand:
 
     DS_ACCELERATOR=cpu PYTHONPATH=src:. .dsvenv/bin/python -m pytest tests/distributed/test_deepspeed_parity.py -q
 
@@ -27,15 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-try:
-    import deepspeed  # noqa: F401  - imported once here so the forked ranks inherit it
-except Exception as e:  # noqa: BLE001 - any import failure means "no reference to compare against"
-    pytest.skip(
-        f"deepspeed is not importable ({type(e).__name__}: {e}); it is only a reference to compare against. "
-        "Run this module with a python that has deepspeed==0.19.* (see its docstring).",
-        allow_module_level=True,
-    )
+from tests.reference import real_deepspeed
+
+real_deepspeed()  # imported once here so the forked ranks inherit it; skips in shardwise's own venv
 
 from tests.harness import run_distributed  # noqa: E402
 from tests.parity import full_state_dict, make_model, micro_batch, param_groups  # noqa: E402

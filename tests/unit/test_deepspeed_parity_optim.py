@@ -1,9 +1,7 @@
 """Our schedulers and Lamb against DeepSpeed's own, when DeepSpeed is installed.
 
-DeepSpeed is a reference here, never a dependency: without it these tests skip. To run them:
-
-    python3 -m venv .dsvenv && .dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8 pytest
-    DS_ACCELERATOR=cpu PYTHONPATH=src .dsvenv/bin/python -m pytest tests/unit/test_deepspeed_parity_optim.py
+DeepSpeed is a reference here, never a dependency: without it these tests skip (tests/reference.py).
+`make test-deepspeed` runs them against deepspeed==0.19.8, as .ci/run does.
 
 The schedulers are plain Python in DeepSpeed and are compared on CPU. DeepSpeed's FusedLamb is a
 CUDA kernel, so the Lamb comparison runs only where CUDA is present and the op builds.
@@ -16,11 +14,11 @@ import os
 import pytest
 import torch
 
+from tests.reference import real_deepspeed
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-ds_schedules = pytest.importorskip(
-    "deepspeed.runtime.lr_schedules",
-    reason="deepspeed is not installed: it is only a reference to compare against (see this file's docstring)",
-)
+real_deepspeed()  # skips in shardwise's own venv; `make test-deepspeed` runs this module against DeepSpeed
+import deepspeed.runtime.lr_schedules as ds_schedules  # noqa: E402
 
 from shardwise.optim.lamb import Lamb  # noqa: E402
 from shardwise.optim.schedulers import SCHEDULERS  # noqa: E402
