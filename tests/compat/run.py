@@ -21,9 +21,11 @@ def deepspeed_python() -> str | None:
 
 
 def run_script(name: str, *args: str, world: int = 1, python: str = sys.executable, launcher: str = "torchrun",
-               timeout: float = 300, env: dict[str, str] | None = None) -> dict:
-    """`python scripts/<name> args` on `world` processes; `launcher` is "torchrun" or "deepspeed" (the
-    `deepspeed` command next to `python`). Returns rank 0's RESULT; raises with the output on failure."""
+               timeout: float = 300, env: dict[str, str] | None = None,
+               accelerate_args: list[str] | None = None) -> dict:
+    """`python scripts/<name> args` on `world` processes; `launcher` is "torchrun", "deepspeed" (the
+    `deepspeed` command next to `python`) or "accelerate". Returns rank 0's RESULT; raises with the output
+    on failure."""
     script = str(SCRIPTS / name)
     port = str(free_port())
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(python),
@@ -32,6 +34,10 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
         full_env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=port)
         command = [python, script, *args]
+    elif launcher == "accelerate":  # `accelerate launch --use_deepspeed`; on CPU accelerate gives DeepSpeed one process
+        full_env.update(ACCELERATE_USE_CPU="false")
+        command = [python, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(world),
+                   "--main_process_port", port, *(accelerate_args or []), script, *args]
     elif launcher == "torchrun":
         command = [python, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}",
                    script, *args]
