@@ -1,13 +1,8 @@
-"""`ds_report`: shardwise's report (versions, devices, which optional pieces work)."""
+"""`ds_report`: shardwise's report (versions, devices, which optional pieces work), with DeepSpeed's flags."""
 
 import sys
 
-from shardwise.launcher.report import main as _report
-
-
-def main() -> int:
-    return int(_report([]) or 0)
-
+from shardwise.launcher.report import ds_report_main as main
 
 __all__ = ["main"]
 

@@ -1,0 +1,114 @@
+"""Every DeepSpeed name that the scripts people run import (transformers' and accelerate's integrations, peft,
+DeepSpeed-Chat, DeepSpeedExamples) resolves in the compatibility package, to shardwise's implementation."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardwise
+
+NAMES = {  # module: names imported from it by real scripts
+    "deepspeed": ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
+                  "get_accelerator", "zero", "comm", "ops", "checkpointing", "OnDevice", "PipelineModule",
+                  "init_inference", "tp_model_init", "log_dist", "logger", "__version__"],
+    "deepspeed.comm": ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "broadcast",
+                       "all_gather", "is_initialized", "init_distributed", "ReduceOp", "new_group"],
+    "deepspeed.accelerator": ["get_accelerator"],
+    "deepspeed.ops.adam": ["DeepSpeedCPUAdam", "FusedAdam"],
+    "deepspeed.ops.adagrad": ["DeepSpeedCPUAdagrad"],
+    "deepspeed.ops.lamb": ["FusedLamb"],
+    "deepspeed.ops.lion": ["DeepSpeedCPULion", "FusedLion"],
+    "deepspeed.zero": ["Init", "GatheredParameters", "register_external_parameter"],
+    "deepspeed.runtime.zero": ["Init", "GatheredParameters", "ZeroParamStatus"],
+    "deepspeed.runtime.zero.partition_parameters": ["ZeroParamStatus", "GatheredParameters", "Init",
+                                                     "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange",
+                                                     "get_accelerator"],
+    "deepspeed.runtime.engine": ["DeepSpeedEngine"],
+    "deepspeed.runtime.lr_schedules": ["VALID_LR_SCHEDULES", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+                                       "OneCycle", "LRRangeTest"],
+    "deepspeed.runtime.utils": ["see_memory_usage", "move_to_device"],
+    "deepspeed.runtime.dataloader": ["RepeatingLoader"],
+    "deepspeed.checkpointing": ["checkpoint", "configure", "is_configured", "reset"],
+    "deepspeed.checkpoint.utils": ["clone_tensors_for_torch_save"],
+    "deepspeed.utils": ["logger", "log_dist", "set_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+                        "safe_get_full_fp32_param", "safe_get_full_optimizer_state", "safe_get_full_grad",
+                        "safe_set_full_fp32_param"],
+    "deepspeed.utils.zero_to_fp32": ["get_fp32_state_dict_from_zero_checkpoint",
+                                     "load_state_dict_from_zero_checkpoint",
+                                     "convert_zero_checkpoint_to_fp32_state_dict"],
+    "deepspeed.moe.layer": ["MoE"],
+    "deepspeed.moe.utils": ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"],
+    "deepspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
+    "deepspeed.launcher.runner": ["main", "DEEPSPEED_ENVIRONMENT_NAME"],
+    "deepspeed.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec"],
+}
+
+
+@pytest.mark.parametrize("module", list(NAMES))
+def test_names_resolve(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in NAMES[module] if not hasattr(mod, name)]
+    assert not missing, f"{module} lacks {missing}"
+
+
+def test_names_are_shardwises():
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert deepspeed.initialize is shardwise.initialize and deepspeed.zero.Init is shardwise.zero.Init
+    assert deepspeed.DeepSpeedEngine is shardwise.Engine and DeepSpeedCPUAdam is shardwise.ops.CPUAdam
+    assert deepspeed.get_accelerator() is shardwise.accelerator.get_accelerator()
+    assert ZeroParamStatus is shardwise.zero.ZeroParamStatus
+    assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == "0.19.8+shardwise"
+
+
+def test_hugging_face_and_accelerate_see_deepspeed():
+    from accelerate.utils import compare_versions, is_deepspeed_available
+    from transformers.integrations import is_deepspeed_available as hf_available
+
+    assert hf_available() and is_deepspeed_available()
+    assert compare_versions("deepspeed", ">=", "0.16.4")  # accelerate's gate for DeepSpeed TP paths
+
+
+def test_unsupported_features_say_so():
+    from deepspeed.moe.layer import MoE
+    from deepspeed.pipe import PipelineModule
+
+    import deepspeed
+
+    for build in (lambda: MoE(hidden_size=8), lambda: PipelineModule(layers=[], num_stages=2),
+                  lambda: deepspeed.init_inference(torch.nn.Linear(2, 2)),
+                  lambda: deepspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)):
+        with pytest.raises(NotImplementedError, match="not supported by shardwise yet"):
+            build()
+
+
+def test_another_deepspeed_on_the_path_is_reported(tmp_path):
+    other = tmp_path / "deepspeed"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    import deepspeed
+
+    ours = os.path.dirname(os.path.dirname(deepspeed.__file__))
+    # ours first on the path (as an installed package in site-packages), the other one later: it is shadowed
+    code = f"import sys; sys.path[:0] = [{ours!r}]; sys.path.append({str(tmp_path)!r}); import deepspeed"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "another DeepSpeed is installed too" in done.stderr and str(other) in done.stderr
+
+
+def test_deepspeed_and_ds_report_commands():
+    bin_dir = os.path.dirname(sys.executable)
+    done = subprocess.run([os.path.join(bin_dir, "deepspeed"), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: deepspeed")
+    done = subprocess.run([os.path.join(bin_dir, "ds_report"), "--hide_operator_status"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "shardwise" in done.stdout
