@@ -44,9 +44,6 @@ class DeepSpeedSurface:
     def zero_cpu_offload(self) -> bool:
         return self.config.zero_optimization.offload_optimizer.device == "cpu"
 
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
