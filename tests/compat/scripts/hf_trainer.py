@@ -85,7 +85,9 @@ def main() -> None:
     model = LlamaForCausalLM.from_pretrained(base)
     if args.lora:
         from peft import LoraConfig, get_peft_model
+        from transformers import set_seed
 
+        set_seed(0)  # the adapter's random init, alike on every rank and in every run
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0))
     trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
