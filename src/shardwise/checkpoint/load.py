@@ -54,9 +54,11 @@ def _check_names(reader: CheckpointReader, held: set[str], model: set[str], stri
     saved = set(reader.meta["params"])
     missing, unexpected = sorted(model - saved), sorted(saved - model)
     if strict and (missing or unexpected):
+        why = (" It was saved with exclude_frozen_parameters=True, so its frozen parameters are not in it."
+               if reader.meta.get("frozen_parameters_excluded") else "")
         raise CheckpointError(
             f"{reader.path}: parameters do not match the model (load_module_strict=True). Missing from the "
-            f"checkpoint: {missing[:20]}; in the checkpoint but not the model: {unexpected[:20]}. Pass "
+            f"checkpoint: {missing[:20]}; in the checkpoint but not the model: {unexpected[:20]}.{why} Pass "
             "load_module_strict=False to load the matching ones.")
     if missing:
         logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])

@@ -45,7 +45,8 @@ class SaveJob:
         return layout.partial_dir(self.root, self.tag)
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
+def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Save `engine` to `save_dir/<tag>/` (tag default: global_step<N>) and point `save_dir/latest` at it.
 
     A tag is one directory name of ASCII letters, digits and `. _ - + = @`, not starting with '.', at
@@ -54,16 +55,23 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: d
     that differ are refused on every rank, naming each rank's tag, whatever `checkpoint.tag_validation`
     says, except "Ignore", which saves under rank 0's tag. Nothing outside `save_dir` is written or removed,
     and an existing `save_dir/<tag>` is replaced only if it is a shardwise checkpoint.
+
+    `exclude_frozen_parameters` leaves out parameters that do not train (a LoRA fine-tune's base model, which
+    is most of the bytes): such a checkpoint loads with `load_module_strict=False`, the frozen parameters
+    keeping the values the model was built with, as in DeepSpeed.
     """
-    return engine.checkpoint_writer.save(engine, save_dir, tag, client_state, save_latest)
+    return engine.checkpoint_writer.save(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
 
-def pack_job(engine: Any, root: Path, tag: str, client_state: dict[str, Any], save_latest: bool, copy: bool) -> SaveJob:
+def pack_job(engine: Any, root: Path, tag: str, client_state: dict[str, Any], save_latest: bool, copy: bool,
+             exclude_frozen: bool = False) -> SaveJob:
     """This rank's share of the checkpoint, in host memory (copies when `copy`: the write may run later)."""
     meta = engine_meta(engine, tag, client_state)
+    meta["frozen_parameters_excluded"] = exclude_frozen
     with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
         tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
-                                 include_buffers=dist.get_rank() == 0, copy=copy or _swapped(engine))
+                                 include_buffers=dist.get_rank() == 0, copy=copy or _swapped(engine),
+                                 include_frozen=not exclude_frozen)
     meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
                             "persistent_buffers": persistent_buffers(engine.module),
                             "optimizer": _optimizer_meta(engine.optimizer)}
@@ -169,15 +177,15 @@ def _elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
 
 
-def _pack(engine: Any, include_replicated: bool, include_buffers: bool,
-          copy: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def _pack(engine: Any, include_replicated: bool, include_buffers: bool, copy: bool,
+          include_frozen: bool = True) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's pieces as tensors, and their index records. With `copy` the tensors are
     snapshots in host memory, so training may change the originals while they are written."""
     optimizer = engine.optimizer
     tensors: dict[str, torch.Tensor] = {}
     records = []
     for slot in engine.strategy.state_slots():
-        if slot.replicated and not include_replicated:
+        if (slot.replicated and not include_replicated) or (not slot.trainable and not include_frozen):
             continue
         kinds = {layout.MASTER if slot.trainable else layout.VALUE: slot.values}
         if slot.trainable:

@@ -63,11 +63,12 @@ class CheckpointWriter:
             raise CheckpointError(f"the background save of tag {job.tag!r} to {job.root} failed: "
                                   f"{type(error).__name__}: {error}") from error
 
-    def save(self, engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool) -> str:
+    def save(self, engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
+             exclude_frozen: bool = False) -> str:
         self.wait()
         tag = self._agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
         root = Path(save_dir)
-        job = pack_job(engine, root, tag, client_state, save_latest, copy=self.async_save)
+        job = pack_job(engine, root, tag, client_state, save_latest, copy=self.async_save, exclude_frozen=exclude_frozen)
         prepare(root, tag)
         if not self.async_save:
             write_and_publish(job, group=None)

@@ -195,11 +195,11 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Write `save_dir/<tag>/`; a tag is one directory name (see `shardwise.checkpoint.save_checkpoint`)."""
         from ..checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
         """DeepSpeed's older name of `save_16bit_model`."""
