@@ -7,6 +7,7 @@ silently ignored setting.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -144,6 +145,15 @@ class Config(Section, RawConfigView):
     read the raw dict as given (see `raw_view.py`)."""
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal settings, however they were spelled: the raw dicts (see `raw_view.py`) may differ."""
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
 
     train_batch_size: int = Field(ge=1)
     train_micro_batch_size_per_gpu: int = Field(ge=1)
