@@ -47,6 +47,8 @@ def test_pool_keeps_nothing_off_cpu() -> None:
 class FakeReducer:
     """Sums nothing; its reductions report done as `completes_at_once` says, and record when they finish."""
 
+    rereduce_safe = True
+
     def __init__(self, completes_at_once: bool):
         self.completes_at_once = completes_at_once
         self.finished: list[int] = []

@@ -3,11 +3,26 @@
 It stays small because it only sequences the pieces: the sharding strategy owns parameters,
 gradients and the optimizer; the precision policy owns dtypes and the loss scaler; `take_step`
 owns the step arithmetic; the checkpoint package owns files.
+
+What a training loop may do, and what happens:
+- `engine.backward(loss)` then `engine.step()`: the loss is divided by gradient_accumulation_steps
+  (and multiplied by fp16's loss scale), gradients are reduced during backward.
+- `loss.backward()` then `engine.step()` (a direct backward): the gradients land in `param.grad` as in
+  plain PyTorch; `step()` takes them, divides them by gradient_accumulation_steps and reduces them, so
+  the run is the same as with `engine.backward(loss)` (as in DeepSpeed). Refused with fp16, whose loss
+  scale only `engine.backward` applies. Gradients that another engine's backward leaves in this model's
+  `param.grad` (a GAN's generator loss through the discriminator) are treated the same way, so a
+  `model.zero_grad()` before this engine's own backward clears them, as in PyTorch (zero/grad_buckets.py,
+  [Note: whose gradient is it]).
+- `engine.step()` with no gradient since the last step: weights and optimizer state stay as they are
+  (torch's `optimizer.step()` skips parameters without a gradient), the step still counts (global_steps,
+  the lr scheduler), and a warning says so once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +40,8 @@ from . import param_access
 from .deepspeed_surface import DeepSpeedSurface
 from .step import StepResult, take_step
 from .strategy import ShardingStrategy
+
+logger = logging.getLogger(__name__)
 
 
 class Engine(DeepSpeedSurface, torch.nn.Module):
@@ -60,6 +77,9 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._last_step: StepResult | None = None
+        self._grads_since_step = False
+        """A backward reached this engine since the last optimizer step (engine.backward or adopted grads)."""
+        self._warned: set[str] = set()
         self._window_loss = 0.0
         self._window_tokens = 0
         self.training_dataloader: Any = None
@@ -125,7 +145,9 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if loss.dim() != 0:
             raise ValueError(f"loss: must be a scalar tensor; got shape {tuple(loss.shape)}. Reduce it (e.g. .mean()) first.")
+        self._adopt_param_grads("engine.backward(loss)")  # they sum with this backward's, as torch would
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        self._grads_since_step = True
         self.strategy.begin_backward(reduce)
         self._window_loss += float(loss.detach())
         factor = self.precision.loss_scaler.scale
@@ -142,6 +164,12 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
         self.checkpoint_writer.check()  # a failed background save is raised here, not lost
         boundary = self.is_gradient_accumulation_boundary()
+        if self._adopt_param_grads("engine.step()"):
+            # A backward this engine did not start (a direct loss.backward()): reduce its gradients now, as
+            # engine.backward's window would have.
+            self.strategy.begin_backward(boundary)
+            with self.instruments.reduce():
+                self.strategy.finish_backward()
         with self.instruments.step(boundary):
             if boundary:
                 self._take_model_step(lr_kwargs)
@@ -149,8 +177,16 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
-                                    self.instruments.allgather)
+        if self._grads_since_step:
+            self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
+                                        self.instruments.allgather)
+        else:
+            self._last_step = StepResult(True, 0.0)  # nothing to apply: weights and optimizer state stay
+            self._warn_once("no-gradients", f"engine.step(): no gradient reached the model since the last step "
+                            f"(step {self.global_steps + 1}: no engine.backward(loss) or loss.backward() before it); "
+                            "weights and optimizer state were left unchanged. Call engine.backward(loss) before "
+                            "engine.step().")
+        self._grads_since_step = False
         if self._last_step.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -165,6 +201,33 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale, self.get_global_grad_norm(),
         ))
         self._window_loss, self._window_tokens = 0.0, 0
+
+    def _adopt_param_grads(self, caller: str) -> bool:
+        """Take gradients that a backward not started by engine.backward left in `param.grad`, divided by
+        gradient_accumulation_steps as DeepSpeed divides a direct backward's (zero/grad_buckets.py, [Note: whose
+        gradient is it]); true if there were any."""
+        found = self.strategy.loose_param_grads()
+        if not found:
+            return False
+        if self.precision.loss_scaler.checks_overflow:
+            raise RuntimeError(
+                f"{caller}: gradients that engine.backward(loss) did not produce are in param.grad of {found} "
+                "parameters (a direct loss.backward(), or another model's backward through this one); with fp16 they "
+                "lack the loss scale engine.backward applies, so the step would be wrong. Call engine.backward(loss) "
+                "instead of loss.backward(), and zero_grad() this model before its own backward if another model's "
+                "loss passes through it.")
+        self.strategy.adopt_param_grads(1.0 / self.gradient_accumulation_steps())
+        self._grads_since_step = True
+        if self.strategy.reduces_every_micro_step:
+            self._warn_once("adopted", f"{caller}: took gradients from param.grad (a direct loss.backward()?); "
+                            "with gradients partitioned they were held whole until now and reduced without overlap. "
+                            "engine.backward(loss) reduces them during backward.")
+        return True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned and self.global_rank == 0:
+            logger.warning(message)
+        self._warned.add(key)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

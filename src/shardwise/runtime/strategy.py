@@ -61,6 +61,15 @@ class ShardingStrategy(Protocol):
     def finish_backward(self) -> None:
         """After backward: every gradient is reduced (when `reduce` was set) and ready to step."""
 
+    def loose_param_grads(self) -> int:
+        """How many trainable parameters hold a gradient in `param.grad`: gradients only arrive there from a
+        backward outside `begin_backward` ... `finish_backward` (zero/grad_buckets.py, [Note: whose gradient
+        is it])."""
+
+    def adopt_param_grads(self, scale: float) -> int:
+        """Take those gradients (times `scale`) into this strategy's gradients and clear `param.grad`; how
+        many. The next `begin_backward` ... `finish_backward` reduces them with the rest."""
+
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the (loss-scaled) gradients, identical on every rank."""
 

@@ -66,6 +66,12 @@ class DataParallel:
     def finish_backward(self) -> None:
         self.buckets.finish()
 
+    def loose_param_grads(self) -> int:
+        return self.buckets.loose_grads()
+
+    def adopt_param_grads(self, scale: float) -> int:
+        return self.buckets.adopt(scale)
+
     def grad_norm(self) -> torch.Tensor:
         # Gradients are replicated after the all-reduce: the local norm is the global one.
         return _norm(self.buckets.shard_grads())

@@ -19,6 +19,34 @@ whose reduction can only start when backward has ended.
 
 Buckets are launched strictly in bucket order, so every rank issues the same sequence of
 collectives even if hooks fire in a slightly different order (a mismatch would corrupt or hang).
+
+[Note: whose gradient is it] A parameter's hook fires in every backward that reaches the parameter,
+whoever started it. Only a gradient that arrives while this engine's own backward window is open
+(`begin` ... `finish`, i.e. inside `engine.backward(loss)`) is taken into the buckets. Any other one is
+left in `param.grad`, exactly where PyTorch leaves it, and `loose` is set: it may be a direct
+`loss.backward()` meant for this engine, or another engine's backward passing through this model (a
+GAN's generator loss computed through the discriminator). The two cannot be told apart without
+knowing which backward is running (autograd's private graph-task id plus a registry shared by all
+engines), and they need not be: leaving the gradient in `param.grad` gives torch's contract. The
+script's `model.zero_grad()` clears a gradient it does not want (DeepSpeed's DCGAN tutorial does so for
+the discriminator); whatever is still in `param.grad` when this engine next needs gradients (its next
+`engine.backward`, or `engine.step`) is adopted (`adopt`): added into the buckets, divided by
+gradient_accumulation_steps as DeepSpeed divides a direct backward's gradients, and reduced as
+`engine.backward`'s would have been. Its price: such gradients are reduced at `step()`, not during
+backward, and at stages 2-3 are held whole until then. With fp16 the engine refuses them (they miss
+the loss scale that `engine.backward` applies). This holds at every stage: at stage 3 the gradient
+of a released parameter keeps its full shape in `param.grad` (the parameter's data is a placeholder)
+and is adopted into its unit's slots like any other.
+
+[Note: a bucket reduced twice in one window] Two `engine.backward` calls at an accumulation boundary
+(the DCGAN tutorial's discriminator: real, then fake), or gradients adopted at `step()` after an
+`engine.backward`, reduce a bucket twice before the optimizer steps. Partitioned buckets add each
+reduction into `shard_grad`, and an all-reduce of (mean + new local gradients) is the mean plus the
+new mean, so stages 0, 2 and 3 are exact. Stage 1's reduce-scatter overwrites this rank's slice with
+the reduction of the whole buffer and leaves the rest of the buffer undefined, so reducing again would
+average the first result with leftovers (the reducer says so: `rereduce_safe` is false). Before
+anything joins such a bucket again, `reopen` sets its slice aside and zeroes the buffer; the slice is
+added back when the next reduction finishes.
 """
 
 from __future__ import annotations
@@ -84,6 +112,10 @@ class Bucket:
         lo, hi = shard
         self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=self.device) if partitioned else self.flat[lo:hi]
         self.waiting = len(params)
+        self.reduced = False
+        """The shard holds a finished reduction that a new one would overwrite (see [Note: a bucket reduced
+        twice in one window]); only set when the reducer is not `rereduce_safe`."""
+        self._set_aside: torch.Tensor | None = None
         # Persistent buffers never change: their slot views are made once (this runs in every gradient
         # hook). Partitioned buffers come and go, and cached views would keep a freed buffer alive.
         self._views = None if partitioned else [self.flat[s.offset : s.offset + s.numel] for s in layout.slots]
@@ -106,8 +138,31 @@ class Bucket:
         slot = self.layout.slots[i]
         return self.flat[slot.offset : slot.offset + slot.numel]
 
+    def accumulate(self, i: int, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Add parameter i's gradient (times `scale`) into its slot."""
+        if self.reduced:
+            self.reopen()
+        if scale == 1.0:
+            self.slot_view(i).add_(grad.reshape(-1))
+        else:
+            self.slot_view(i).add_(grad.reshape(-1), alpha=scale)
+
+    def reopen(self) -> None:
+        """Before a reduced bucket is reduced again: keep its result aside and start from zeros."""
+        self._set_aside = self.shard_grad.clone()
+        self.flat.zero_()
+        self.reduced = False
+
+    def reduction_finished(self, overwrites: bool) -> None:
+        if self._set_aside is not None:
+            self.shard_grad.add_(self._set_aside)
+            self._set_aside = None
+        self.reduced = overwrites
+        self.release()
+
     def zero(self) -> None:
         (self.shard_grad if self.partitioned else self.flat).zero_()
+        self.reduced, self._set_aside = False, None
 
 
 class GradBuckets:
@@ -124,6 +179,10 @@ class GradBuckets:
             bucket.pool = pool
             for i, param in enumerate(bucket.params):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, i)))
+        self._open = False
+        """Inside this engine's backward window: hooks take gradients (see [Note: whose gradient is it])."""
+        self.loose = False
+        """A gradient arrived outside the window since the last `adopt`: `param.grad` may hold some."""
         self._reducing = False
         self._next = 0
         self._in_flight: list[tuple[Bucket, Reduction]] = []
@@ -144,6 +203,7 @@ class GradBuckets:
 
     def begin(self, reduce: bool) -> None:
         """Called before each backward: `reduce` is true on micro-steps whose gradients are reduced."""
+        self._open = True
         self._reducing = reduce
         self._next = 0
         self._in_flight.clear()
@@ -152,8 +212,11 @@ class GradBuckets:
 
     def _hook(self, index: int, i: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
+            if not self._open:  # not this engine's backward: leave it in param.grad
+                self.loose = True
+                return
             bucket = self.buckets[index]
-            bucket.slot_view(i).add_(param.grad.reshape(-1))
+            bucket.accumulate(i, param.grad)
             param.grad = None
             if self._reducing:
                 bucket.waiting -= 1
@@ -173,6 +236,8 @@ class GradBuckets:
     def _launch(self, bucket: Bucket) -> None:
         if bucket.flat is None:  # partitioned mode, no gradient arrived this micro-step
             bucket.flat = bucket.new_flat()
+        if bucket.reduced:  # nothing arrived since its last reduction, which must not be averaged again
+            bucket.reopen()
         self._in_flight.append((bucket, self.reducer.launch(bucket)))
 
     def _finish_completed(self) -> None:
@@ -183,10 +248,11 @@ class GradBuckets:
     def _finish_oldest(self) -> None:
         bucket, reduction = self._in_flight.pop(0)
         reduction.finish()
-        bucket.release()
+        bucket.reduction_finished(overwrites=not self.reducer.rereduce_safe)
 
     def finish(self) -> None:
         """After backward: reduce what is left (parameters unused this step count as zero), then wait."""
+        self._open = False
         if not self._reducing:
             return
         for bucket in self.buckets[self._next :]:
@@ -195,6 +261,29 @@ class GradBuckets:
         while self._in_flight:
             self._finish_oldest()
         self._reducing = False
+
+    def loose_grads(self) -> int:
+        """How many parameters hold a gradient in `param.grad` (from backward passes outside the window)."""
+        if not self.loose:
+            return 0
+        count = sum(p.grad is not None for b in self.buckets for p in b.params)
+        self.loose = count > 0
+        return count
+
+    def adopt(self, scale: float) -> int:
+        """Take every gradient left in `param.grad` into the buckets, times `scale`, and free it; returns how
+        many there were. Reducing them is the next window's `finish` (see [Note: whose gradient is it])."""
+        if not self.loose:
+            return 0
+        self.loose = False
+        count = 0
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                if param.grad is not None:
+                    bucket.accumulate(i, param.grad, scale)
+                    param.grad = None
+                    count += 1
+        return count
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [b.shard_grad for b in self.buckets]

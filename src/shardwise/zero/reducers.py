@@ -56,6 +56,10 @@ class Reduction:
 
 
 class Reducer(Protocol):
+    rereduce_safe: bool
+    """Reducing a bucket again after more gradients joined it gives the sum of both reductions (see
+    grad_buckets.py, [Note: a bucket reduced twice in one window])."""
+
     def launch(self, bucket: BucketLike) -> Reduction:
         """Start reducing `bucket.flat` (which is scratch until the reduction is finished)."""
         ...
@@ -69,6 +73,8 @@ def _on_wire(flat: torch.Tensor, before: float, dtype: torch.dtype) -> torch.Ten
 
 
 class AllReduceMean:
+    rereduce_safe = True  # the result is the same on every rank: mean(mean + new) = mean + mean(new)
+
     def __init__(self, comm: Collectives, group: Group, averaging: GradAveraging, reduce_dtype: torch.dtype):
         self.comm, self.group, self.averaging, self.reduce_dtype = comm, group, averaging, reduce_dtype
 
@@ -94,6 +100,9 @@ class ReduceScatterMean:
                  accumulate: bool):
         self.comm, self.group, self.averaging, self.reduce_dtype = comm, group, averaging, reduce_dtype
         self.accumulate = accumulate
+        # Accumulating (stages 2, 3): each reduction adds into the shard. Otherwise (stage 1) it overwrites the
+        # shard and leaves the rest of the buffer undefined.
+        self.rereduce_safe = accumulate
 
     def launch(self, bucket: BucketLike) -> Reduction:
         wire = _on_wire(bucket.flat, self.averaging.before, self.reduce_dtype)

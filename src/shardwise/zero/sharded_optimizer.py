@@ -91,6 +91,12 @@ class ShardedDataParallel:
     def finish_backward(self) -> None:
         self.buckets.finish()
 
+    def loose_param_grads(self) -> int:
+        return self.buckets.loose_grads()
+
+    def adopt_param_grads(self, scale: float) -> int:
+        return self.buckets.adopt(scale)
+
     def grad_norm(self) -> torch.Tensor:
         local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.masters else torch.zeros(())
         total = local_sq.reshape(1).to(self.buckets.buckets[0].device if self.masters else "cpu")

@@ -96,6 +96,13 @@ class Stage3:
         for unit in self.units:
             unit.release()
 
+    def loose_param_grads(self) -> int:
+        return self.buckets.loose_grads()
+
+    def adopt_param_grads(self, scale: float) -> int:
+        """A released parameter's gradient keeps its full shape: it goes into the unit's slots like any other."""
+        return self.buckets.adopt(scale)
+
     def grad_norm(self) -> torch.Tensor:
         local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.trainable else torch.zeros(())
         total = local_sq.reshape(1)
