@@ -173,6 +173,9 @@ class Config(Section, RawConfigView):
         60.0, ge=0.0, description="a collective still pending after this long logs once which ranks have not "
         "arrived, then keeps waiting up to collective_timeout_s; 0 turns the warning off"
     )
+    nonfinite_grads: Literal["skip", "raise"] = Field(
+        "skip", description="(shardwise) fp32/bf16: a step whose gradient norm is nan/inf is skipped with a "
+        "warning (skip) or, having been skipped, raises NonFiniteGradientError (raise)")
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
     torch_autocast: TorchAutocastConfig = TorchAutocastConfig()
@@ -221,4 +224,13 @@ class Config(Section, RawConfigView):
                 raise ValueError(
                     f"data_types.{key}: must be the training dtype ({training}, from fp16/bf16.enabled); got "
                     f"{given!r}. Set the matching fp16/bf16 'enabled' flag or remove data_types.{key}.")
+        return self
+
+    @model_validator(mode="after")
+    def _nonfinite_without_loss_scaling(self) -> Config:
+        if self.fp16.enabled and self.nonfinite_grads == "raise":
+            raise ValueError(
+                'nonfinite_grads: "raise" applies to fp32 and bf16 runs; got "raise" with fp16.enabled. fp16\'s loss '
+                "scaler skips overflowing steps and lowers the scale, which is how fp16 training proceeds; remove "
+                "nonfinite_grads (or use bf16).")
         return self

@@ -18,7 +18,8 @@ from ..config import FP16Config
 
 
 class NoLossScaler:
-    """fp32 and bf16: scale 1, no overflow checks (an inf there is a real divergence, not an underflow)."""
+    """fp32 and bf16: scale 1, nothing to adapt (a nan/inf there is a divergence, not an fp16 overflow;
+    the step is still skipped and reported, see runtime/step.py)."""
 
     scale: float = 1.0
     checks_overflow = False

@@ -17,6 +17,8 @@ What a training loop may do, and what happens:
 - `engine.step()` with no gradient since the last step: weights and optimizer state stay as they are
   (torch's `optimizer.step()` skips parameters without a gradient), the step still counts (global_steps,
   the lr scheduler), and a warning says so once.
+- a nan/inf gradient norm in fp32/bf16: the update is skipped and counted in `skipped_steps` with a
+  warning naming the step and the norm, or with `"nonfinite_grads": "raise"` skipped and raised.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ..profiling.memory import MemoryBreakdown
 from ..profiling.throughput import ThroughputTimer
 from . import param_access
 from .deepspeed_surface import DeepSpeedSurface
-from .step import StepResult, take_step
+from .step import NonFiniteGradientError, StepResult, take_step
 from .strategy import ShardingStrategy
 
 logger = logging.getLogger(__name__)
@@ -192,6 +194,8 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1
+            if not self.precision.loss_scaler.checks_overflow:  # fp16 overflows are the loss scaler's business
+                self._report_nonfinite(self._last_step.grad_norm)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.tput_timer.step_done()
@@ -223,6 +227,15 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                             "with gradients partitioned they were held whole until now and reduced without overlap. "
                             "engine.backward(loss) reduces them during backward.")
         return True
+
+    def _report_nonfinite(self, norm: float) -> None:
+        problem = (f"step {self.global_steps + 1}: the gradient norm is {norm} (a nan/inf loss or gradient); the "
+                   f"update was skipped (skipped_steps = {self.skipped_steps})")
+        if self.config.nonfinite_grads == "raise":
+            raise NonFiniteGradientError(f'nonfinite_grads = "raise": {problem}. Find where the loss becomes '
+                                         'non-finite, or set "nonfinite_grads": "skip" to go on.')
+        if self.global_rank == 0:
+            logger.warning('%s. Set "nonfinite_grads": "raise" to stop instead.', problem)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned and self.global_rank == 0:

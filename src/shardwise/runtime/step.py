@@ -1,8 +1,12 @@
 """One optimizer step, the same for every strategy: overflow check, unscale, clip, step, rescale.
 
 Overflow and clipping both come from one global gradient norm: a non-finite norm means some gradient
-overflowed (fp16), and the same norm gives the clip coefficient. Unscaling and clipping are folded
-into one multiply.
+is nan or inf, and the same norm gives the clip coefficient. Unscaling and clipping are folded into
+one multiply. Reading the norm is the step's one device sync; the non-finite check costs nothing more.
+
+A step with a non-finite norm is skipped at every precision: with fp16 it is an overflow that the loss
+scaler expects (it lowers the scale), with fp32/bf16 a nan/inf loss or a divergence. Either way no nan
+reaches the weights; the engine reports it (`nonfinite_grads`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from ..precision import LossScaler
 from .strategy import ShardingStrategy
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """A step's gradient norm was nan/inf with `"nonfinite_grads": "raise"` (the update was not applied)."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     applied: bool
@@ -27,9 +35,9 @@ def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float,
               timed_sync: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> StepResult:
     scale = scaler.scale
     norm = float(strategy.grad_norm()) / scale
-    overflow = scaler.checks_overflow and not math.isfinite(norm)
-    scaler.update(overflow)
-    if overflow:
+    finite = math.isfinite(norm)
+    scaler.update(not finite)  # a no-op without fp16's loss scaler
+    if not finite:
         strategy.zero_grads()
         return StepResult(False, norm)
     factor = 1.0 / scale
