@@ -1,4 +1,5 @@
-"""Engine behaviour at world size 2: precision, overflow skipping, accumulation traffic, no_sync, timeouts."""
+"""Engine behaviour at world size 2: precision, overflow skipping, accumulation traffic, no_sync, timeouts,
+and the messages that misuse gets."""
 
 from __future__ import annotations
 
@@ -121,3 +122,48 @@ def _slow_rank_run():
 def test_collective_timeout_names_rank_op_group_and_shape():
     with pytest.raises(RankFailure, match=r"CollectiveTimeout: \[rank 0/2, data group\] all_reduce of \(\d+,\) float32"):
         run_distributed(_slow_rank_run, 2, timeout=60)
+
+
+def _misuse_messages():
+    def engine_with(**extra):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4))
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=ds_config(2, 1, **extra))
+        return engine
+
+    messages = {}
+    for name, extra, x in (("float64 input", {}, torch.randn(2, 3, dtype=torch.float64)),
+                           ("fp32 input, bf16", {"bf16": {"enabled": True}}, torch.randn(2, 3)),
+                           ("fp32 input, fp16", {"fp16": {"enabled": True}}, torch.randn(2, 3))):
+        with pytest.raises(TypeError) as error:
+            engine_with(**extra)(x)
+        messages[name] = str(error.value)
+    engine = engine_with()
+    with pytest.raises(TypeError) as error:
+        engine.backward(1.5)
+    messages["python number"] = str(error.value)
+    with torch.no_grad():
+        loss = engine(torch.randn(2, 3)).sum()
+    with pytest.raises(ValueError) as error:
+        engine.backward(loss)
+    messages["no_grad loss"] = str(error.value)
+    return messages
+
+
+def test_misuse_names_the_problem_and_the_fix():
+    messages = run_distributed(_misuse_messages, 2)[0]
+    assert messages["float64 input"] == (
+        "engine(...) argument 0: floating-point inputs must be in the dtype the model computes in, torch.float32; got "
+        "torch.float64. Cast the inputs (x.to(torch.float32)). (torch: mat1 and mat2 must have the same dtype, but got "
+        "Double and Float)")
+    assert messages["fp32 input, bf16"].startswith(
+        "engine(...) argument 0: floating-point inputs must be in the dtype the model computes in, torch.bfloat16; "
+        "got torch.float32. Cast the inputs (x.to(torch.bfloat16)). (torch: ")
+    assert ('torch.float16; got torch.float32. Cast the inputs (x.to(torch.float16)), or set "fp16": {"auto_cast": '
+            'true} to have the engine cast floating-point inputs.') in messages["fp32 input, fp16"]
+    assert messages["python number"] == (
+        "engine.backward(loss): loss must be the scalar tensor the model computed; got float 1.5. Pass the loss "
+        "tensor itself (not loss.item() or a number).")
+    assert messages["no_grad loss"].startswith(
+        "engine.backward(loss): the loss must have a gradient history (requires_grad, a grad_fn); got a tensor "
+        "without one: it was computed under torch.no_grad() or torch.inference_mode()")

@@ -39,6 +39,7 @@ from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
 from ..profiling.throughput import ThroughputTimer
 from . import param_access
+from .call_checks import check_loss, explain_dtype_error
 from .deepspeed_surface import DeepSpeedSurface
 from .step import NonFiniteGradientError, StepResult, take_step
 from .strategy import ShardingStrategy
@@ -138,6 +139,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as e:
+                dtype_message = explain_dtype_error(e, inputs, kwargs, self.precision.param_dtype,
+                                                    self.config.fp16.enabled)
+                if dtype_message:
+                    raise TypeError(dtype_message) from e
                 explain = getattr(self.strategy, "explain_forward_error", None)
                 message = explain(e) if explain else None
                 if message:
@@ -145,8 +150,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                 raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        if loss.dim() != 0:
-            raise ValueError(f"loss: must be a scalar tensor; got shape {tuple(loss.shape)}. Reduce it (e.g. .mean()) first.")
+        check_loss(loss)
         self._adopt_param_grads("engine.backward(loss)")  # they sum with this backward's, as torch would
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self._grads_since_step = True
