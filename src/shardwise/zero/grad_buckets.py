@@ -38,9 +38,9 @@ the loss scale that `engine.backward` applies). This holds at every stage: at st
 of a released parameter keeps its full shape in `param.grad` (the parameter's data is a placeholder)
 and is adopted into its unit's slots like any other.
 
-[Note: a bucket reduced twice in one window] Two `engine.backward` calls at an accumulation boundary
+[Note: a bucket reduced twice before a step] Two `engine.backward` calls at an accumulation boundary
 (the DCGAN tutorial's discriminator: real, then fake), or gradients adopted at `step()` after an
-`engine.backward`, reduce a bucket twice before the optimizer steps. Partitioned buckets add each
+`engine.backward`, reduce a bucket twice between two optimizer steps. Partitioned buckets add each
 reduction into `shard_grad`, and an all-reduce of (mean + new local gradients) is the mean plus the
 new mean, so stages 0, 2 and 3 are exact. Stage 1's reduce-scatter overwrites this rank's slice with
 the reduction of the whole buffer and leaves the rest of the buffer undefined, so reducing again would
@@ -114,7 +114,7 @@ class Bucket:
         self.waiting = len(params)
         self.reduced = False
         """The shard holds a finished reduction that a new one would overwrite (see [Note: a bucket reduced
-        twice in one window]); only set when the reducer is not `rereduce_safe`."""
+        twice before a step]); only set when the reducer is not `rereduce_safe`."""
         self._set_aside: torch.Tensor | None = None
         # Persistent buffers never change: their slot views are made once (this runs in every gradient
         # hook). Partitioned buffers come and go, and cached views would keep a freed buffer alive.

@@ -58,7 +58,7 @@ class Reduction:
 class Reducer(Protocol):
     rereduce_safe: bool
     """Reducing a bucket again after more gradients joined it gives the sum of both reductions (see
-    grad_buckets.py, [Note: a bucket reduced twice in one window])."""
+    grad_buckets.py, [Note: a bucket reduced twice before a step])."""
 
     def launch(self, bucket: BucketLike) -> Reduction:
         """Start reducing `bucket.flat` (which is scratch until the reduction is finished)."""
