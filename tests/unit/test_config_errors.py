@@ -277,12 +277,18 @@ def test_deepspeed_features_not_implemented_are_refused_by_name(raw, message):
 def test_switched_off_and_no_op_deepspeed_keys_are_accepted():
     cfg = parse_config({**BASE, "hybrid_engine": {"enabled": False, "max_out_tokens": 256}, "timers": {"throughput": {
         "enabled": True}}, "compile": {"deepcompile": False}, "checkpoint": {"load_universal": True,
-        "tag_validation": "FAIL"}, "bf16": {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": False},
+        "tag_validation": "FAIL"}, "bf16": {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": True},
         "data_types": {"grad_accum_dtype": "bfloat16", "param_dtype": "torch.bfloat16"}, "tensor_parallel": {
         "autotp_size": 0}, "expert_parallel": {"top_k": 2}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
-    assert cfg.checkpoint.tag_validation == "Fail" and not cfg.bf16.check_grad_overflow
+    assert cfg.checkpoint.tag_validation == "Fail" and cfg.bf16.check_grad_overflow
     assert cfg.data_types.grad_accum_dtype == cfg.data_types.param_dtype == "bf16"
     assert cfg.torch_autocast.enabled and cfg.torch_autocast.dtype == "bf16"
+
+
+def test_bf16_check_grad_overflow_false_is_refused():
+    # It would let a nan/inf step reach the weights; shardwise skips (or raises, nonfinite_grads) at every precision
+    with pytest.raises(ConfigError, match=r"bf16.check_grad_overflow: .* for values other than true .*got false"):
+        parse_config({**BASE, "bf16": {"enabled": True, "check_grad_overflow": False}})
 
 
 def test_optimizer_section_without_type_builds_none_as_in_deepspeed(caplog):

@@ -92,7 +92,7 @@ TABLE: dict[str, Treatment] = {
     "fp16.fp16_master_weights_and_grads": only((False,), "fp16 master weights (shardwise keeps fp32 masters)"),
     "bf16": impl("bf16 mixed precision (`bfloat16` is the older spelling)"),
     "bf16.enabled": impl("bf16 mixed precision with fp32 master weights"),
-    "bf16.check_grad_overflow": impl("skip the step when the gradient norm is not finite (DeepSpeed's default, true; DeepSpeed's stage 3 skips such a step whatever the flag; shardwise follows the flag at every stage)"),
+    "bf16.check_grad_overflow": only((True,), "shardwise never applies a step whose gradient norm is not finite, at any precision (`nonfinite_grads` chooses skip or raise); false would let nan/inf reach the weights (DeepSpeed's default is true, and its stage 3 skips such a step whatever the flag)"),
     "bf16.immediate_grad_update": noop("true and false train alike here: gradients accumulate in `data_types.grad_accum_dtype` (fp32 unless set), which is what true does; false in DeepSpeed accumulates in bf16, which is `data_types.grad_accum_dtype: \"bf16\"` here"),
     "bf16.bf16_master_weights_and_grads": only((False,), "bf16 master weights (shardwise keeps fp32 masters)"),
     "bf16.bf16_optimizer_states": only((False,), "bf16 optimizer states (needs bf16 master weights)"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from .loss_scaler import LossScaler, StaticLossScaler, make_loss_scaler
+from .loss_scaler import LossScaler, make_loss_scaler
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,13 +46,9 @@ class PrecisionPolicy:
             reduce_dtype=reduce,
             master_dtype=torch.float32,
             grad_accum_dtype=_DTYPES[cfg.data_types.grad_accum_dtype or "fp32"],
-            loss_scaler=_loss_scaler(cfg),
+            loss_scaler=make_loss_scaler(cfg.fp16),
             auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast,
         )
 
 
-def _loss_scaler(cfg: Config) -> LossScaler:
-    if cfg.bf16.enabled and cfg.bf16.check_grad_overflow:
-        # bf16 needs no scaling, but a non-finite gradient norm skips the step (DeepSpeed's check_grad_overflow).
-        return StaticLossScaler(1.0)
-    return make_loss_scaler(cfg.fp16)
+
