@@ -43,12 +43,13 @@ def _loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-def _oracle(kind: str, world: int, lr: float):
+def _oracle(kind: str, world: int, lr: float, fixed: bool = False):
+    """`fixed`: every step trains on step 0's batch (random tokens are learnable only by memorising them)."""
     model = _tiny(kind)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(STEPS):
-        loss = _loss(model, _batch(step, 2 * world))
+        loss = _loss(model, _batch(0 if fixed else step, 2 * world))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -56,7 +57,7 @@ def _oracle(kind: str, world: int, lr: float):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(kind: str, lr: float, precision: dict):
+def _train(kind: str, lr: float, precision: dict, fixed: bool = False):
     model = _tiny(kind)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": lr}},
               "gradient_clipping": 0.0,
@@ -65,8 +66,8 @@ def _train(kind: str, lr: float, precision: dict):
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in range(STEPS):
-        loss = engine(input_ids=_batch(step, 2 * world)[rank * 2 : rank * 2 + 2],
-                      labels=_batch(step, 2 * world)[rank * 2 : rank * 2 + 2]).loss
+        ids = _batch(0 if fixed else step, 2 * world)[rank * 2 : rank * 2 + 2]
+        loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         total = loss.detach().float().clone()
@@ -88,10 +89,17 @@ def test_hf_model_matches_oracle(kind):
 
 
 def test_bf16_within_bound():
-    ref_losses, _ = _oracle("llama", 2, lr=0.5)
-    losses, _ = run_distributed(_train, 2, "llama", 0.5, {"bf16": {"enabled": True}}, timeout=240)[0]
-    # bf16 activations round at ~4e-3 relative; over 10 steps the loss stays within 2% of fp32.
-    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.02
+    # One batch memorised (random tokens have nothing else to learn): the fp32 loss falls from ln 64 ≈ 4.16 to 2.29.
+    ref_losses, _ = _oracle("llama", 2, lr=0.2, fixed=True)
+    losses, _ = run_distributed(_train, 2, "llama", 0.2, {"bf16": {"enabled": True}}, True, timeout=240)[0]
+    assert ref_losses[-1] < 0.6 * ref_losses[0]
+    # bf16 learns as fp32 does: the same fall, step by step.
+    assert losses[-1] < 0.6 * losses[0], losses
+    # bf16 keeps 8 significant bits: each parameter and activation is off by up to 2^-9 ≈ 0.2% relative, while the
+    # fp32 master weights keep the updates exact. Measured, the loss stays within 0.09% of fp32's; 1% (about five
+    # bf16 roundings) leaves room for another reduction order and still fails a lost or doubled update, or a
+    # wrongly scaled gradient, each of which moves the loss by 4-8% per step here.
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.01, (losses, ref_losses)
 
 
 def _build(layers: int, width: int, use_init: bool):
