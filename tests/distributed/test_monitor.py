@@ -1,10 +1,12 @@
 """Seeing a run at world size 2: every switch on in one spawned group (CSV and TensorBoard values against
 the engine's numbers, only rank 0 writing, the flops profiler at its step only, the comms logger on a
-known sequence of collectives, the memory breakdown), then the timers against measured step time."""
+known sequence of collectives, the memory breakdown), then the timers against measured step time, and the real
+wandb package offline (skipped where it is not installed: it is an optional dependency)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 import time
@@ -240,3 +242,66 @@ def test_phase_timers_add_up_to_the_step_time():
 def test_zero2_reports_the_allgather_inside_the_step():
     for timers_ms, _ in run_distributed(_timed, WORLD, 8, 2):
         assert 0 < timers_ms["step_allgather"] <= timers_ms["step"]
+
+
+def _wandb_records(path: Path):
+    """The records of a wandb run file (`run-<id>.wandb`): a 7-byte header, then LevelDB-log blocks of 32 KiB
+    whose chunks (4-byte CRC, 2-byte length, 1-byte type: 1 full, 2 first, 3 middle, 4 last) carry protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", data[:7]
+    pos, chunks = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        chunks += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def _wandb_run(tmp: str):
+    config = ds_config(MICRO, ACCUM, steps_per_print=PRINT_EVERY, scheduler=SCHEDULER,
+                       wandb={"enabled": True, "team": "team", "group": "group", "project": "project"})
+    engine = _engine(config)
+    record = _train(engine, STEPS)
+    engine.monitor.write_events([("my/value", 7.0, engine.global_samples)])
+    engine.instruments.close()
+    return record
+
+
+def test_wandb_receives_the_engines_figures(tmp_path, monkeypatch):
+    """The real wandb package, offline (no account): what the engine logs is in the run's file."""
+    pytest.importorskip("wandb", reason="the wandb package is not installed (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    record = run_distributed(_wandb_run, 1, str(tmp_path), timeout=180)[0]
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = list(_wandb_records(run_file))
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.entity, run.run_group) == ("project", "team", "group")
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            history[r.history.step.num] = {k: v for k, v in values.items() if not k.startswith("_")}
+    batch = MICRO * ACCUM  # world size 1
+    for i in range(STEPS // PRINT_EVERY):
+        steps = record[PRINT_EVERY * i : PRINT_EVERY * (i + 1)]
+        logged = history[PRINT_EVERY * (i + 1) * batch]
+        assert logged["Train/Samples/train_loss"] == pytest.approx(sum(s[0] for s in steps) / PRINT_EVERY, rel=1e-6)
+        assert logged["Train/Samples/lr"] == pytest.approx(steps[-1][1], rel=1e-9)
+        assert logged["Train/Samples/grad_norm"] == pytest.approx(steps[-1][2], rel=1e-9)
+        assert logged["Train/Samples/samples_per_sec"] > 0
+    assert history[STEPS * batch]["my/value"] == 7.0  # the user's own event, at the current sample count
