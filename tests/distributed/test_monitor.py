@@ -305,3 +305,67 @@ def test_wandb_receives_the_engines_figures(tmp_path, monkeypatch):
         assert logged["Train/Samples/grad_norm"] == pytest.approx(steps[-1][2], rel=1e-9)
         assert logged["Train/Samples/samples_per_sec"] > 0
     assert history[STEPS * batch]["my/value"] == 7.0  # the user's own event, at the current sample count
+
+
+def _late_peer_collectives(delay_s: float, numel: int):
+    """Rank 1 joins each collective `delay_s` late; rank 0 reads the clock around it. Returns rank 0's view."""
+    from shardwise.config import parse_config
+    from shardwise.distributed.topology import Group
+    from shardwise.profiling.comms import CommsLogger
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = Group("data", dist.group.WORLD, WORLD, rank)
+    config = parse_config({"train_micro_batch_size_per_gpu": 1, "comms_logger": {"enabled": True, "verbose": True}},
+                          dp_size=WORLD)
+    comm = Collectives(stats=CommStats())
+    logger = CommsLogger(config.comms_logger, comm.stats, torch.device("cpu"), rank)
+    lines = _Lines()
+    logging.getLogger("shardwise").addHandler(lines)
+    logging.getLogger("shardwise").setLevel(logging.INFO)
+    # The first collective on a group opens its shared-memory channel (a rendezvous of its own, before the
+    # collective is issued and timed): done here, with a message of another size, so it is a row of its own.
+    comm.all_reduce(torch.ones(8), group).wait()
+    walls = {}
+    for op, issue in (("all_reduce", lambda: comm.all_reduce(torch.ones(numel), group)),
+                      ("all_gather", lambda: comm.all_gather(torch.empty(numel), torch.ones(numel // WORLD), group))):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(delay_s)
+        start = time.perf_counter()
+        issue().wait()
+        walls[op] = time.perf_counter() - start
+    return {"walls": walls, "table": logger.summary(), "lines": [line for line in lines.lines if "16.00 MiB" in line]}
+
+
+def test_comms_logger_algorithm_and_bus_bandwidth_columns():
+    """algbw = message bytes / latency, the latency being the issue → completion time the caller sees; busbw =
+    algbw × 2(n-1)/n for all-reduce, × (n-1)/n for all-gather (n = 2 here)."""
+    delay, numel = 0.3, 4 * 2**20  # a 16 MiB message, so that the table's 3 decimals of GB/s are ~1% of the value
+    nbytes = 4 * numel
+    view = run_distributed(_late_peer_collectives, WORLD, delay, numel)[0]
+    rows = {}
+    for line in view["table"].splitlines():
+        cells = line.split()
+        if cells and cells[0] in ("all_reduce", "all_gather") and cells[3:5] == ["16.00", "MiB"]:
+            # Op, Group, Ranks, Message size (2 cells: "16.00 MiB"), Count, Total latency, Avg latency, algbw, busbw
+            rows[cells[0]] = dict(zip(("ranks", "count", "total_ms", "avg_ms", "algbw", "busbw"),
+                                      (cells[2], *map(float, cells[5:]))))
+    for op, factor in (("all_reduce", 1.0), ("all_gather", 0.5)):
+        row = rows[op]
+        assert (row["ranks"], row["count"]) == ("2", 1)
+        # Rank 0 waited for rank 1's late arrival: the latency is at least a good part of the delay (rank 0 may
+        # itself be descheduled between the barrier and the call on a busy machine) and at most the wall time the
+        # caller measured around the collective.
+        seconds = row["avg_ms"] / 1e3
+        assert 0.5 * delay <= seconds <= view["walls"][op] + 5e-4, (op, row, view["walls"])
+        assert abs(row["algbw"] - nbytes / seconds / 1e9) <= 6e-4, (op, row)  # the printed 3 decimals
+        assert abs(row["busbw"] - factor * nbytes / seconds / 1e9) <= 6e-4, (op, row)
+    # The verbose log line of each collective says the same.
+    assert len(view["lines"]) == 2, view["lines"]
+    for line, op, factor in zip(view["lines"], ("all_reduce", "all_gather"), (1.0, 0.5)):
+        ms = float(line.split("| time ")[1].split(" ms")[0])
+        algbw = float(line.split("| algbw ")[1].split(" GB/s")[0])
+        busbw = float(line.split("| busbw ")[1].split(" GB/s")[0])
+        assert f"comm op {op} | group data | msg size 16.00 MiB" in line, line
+        assert abs(algbw - nbytes / (ms / 1e3) / 1e9) <= 6e-4 and abs(busbw - factor * algbw) <= 6e-4, line
