@@ -1,4 +1,5 @@
-"""Consolidate a checkpoint into full weights, streaming: peak memory is about one tensor.
+"""Consolidate a checkpoint into full weights, streaming: peak memory is about two tensors (the one read
+and the copy being written), not the model.
 
 Writes the layout Hugging Face's `from_pretrained` reads: `model.safetensors`, or
 `model-0000k-of-0000n.safetensors` files plus `model.safetensors.index.json` when the weights exceed
