@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import shardwise
 from shardwise.checkpoint import cli
 from tests.harness import run_distributed
-from tests.parity import assert_close_run, ds_config, make_model, oracle, param_groups, train_steps
+from tests.parity import assert_close_run, ds_config, full_state_dict, make_model, oracle, param_groups, train_steps
 
 GLOBAL_BATCH, SAVED_AT, MORE = 12, 4, 4
 
@@ -43,7 +43,7 @@ def _engine(config: dict):
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.float() for k, v in full_state_dict(engine).items()}
 
 
 def _save(root: str, config: dict):

@@ -11,7 +11,7 @@ import torch
 
 import shardwise
 from tests.harness import run_distributed
-from tests.parity import assert_close_run, global_batch, make_model, train_steps
+from tests.parity import assert_close_run, full_state_dict, global_batch, make_model, train_steps
 
 STEPS, WORLD, MICRO, LR = 5, 2, 2, 0.05
 CASES: dict[str, dict[str, Any]] = {  # optimizer params as a DeepSpeed config writes them (no clipping key)
@@ -48,7 +48,7 @@ def _engine_runs(stage: int):
                   "zero_optimization": {"stage": stage}}
         engine, *_ = shardwise.initialize(model=model, model_parameters=_trainable(model), config=config)
         losses = train_steps(engine, 0, STEPS)
-        out[name] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
+        out[name] = (losses, {k: v.float() for k, v in full_state_dict(engine).items()})
     return out
 
 
