@@ -47,7 +47,8 @@ $(DS_STAMP): $(STAMP)
 # Trainer-level comparisons from .venv, which run each script under both.
 test-deepspeed: $(STAMP) $(DS_STAMP)
 	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs \
-		tests/distributed/test_deepspeed_parity.py tests/unit/test_deepspeed_parity_optim.py \
+		tests/distributed/test_deepspeed_parity.py tests/distributed/test_deepspeed_parity_backward.py \
+		tests/unit/test_deepspeed_parity_optim.py \
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat
 

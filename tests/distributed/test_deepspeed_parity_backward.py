@@ -7,11 +7,11 @@ shardwise to the torch oracle, and their comments record what DeepSpeed did.
 Run as a module it prints what each library does in every case, errors included (the measurement those
 comments quote):
 
-    DS_ACCELERATOR=cpu PYTHONPATH=src:. /work/main/.dsvenv/bin/python -m tests.distributed.test_deepspeed_parity_backward
+    DS_ACCELERATOR=cpu PYTHONPATH=src:. .dsvenv/bin/python -m tests.distributed.test_deepspeed_parity_backward
 
-As tests (skipped without deepspeed):
+As tests (skipped without the real deepspeed; `make test-deepspeed` runs them):
 
-    DS_ACCELERATOR=cpu PYTHONPATH=src:. /work/main/.dsvenv/bin/python -m pytest tests/distributed/test_deepspeed_parity_backward.py -q
+    DS_ACCELERATOR=cpu PYTHONPATH=src:. .dsvenv/bin/python -m pytest tests/distributed/test_deepspeed_parity_backward.py -q
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-try:
-    import deepspeed  # noqa: F401  - imported once here so the forked ranks inherit it
-except Exception as e:  # noqa: BLE001 - any import failure means "no reference to compare against"
-    pytest.skip(f"deepspeed is not importable ({type(e).__name__}: {e}); it is only a reference to compare against. "
-                "Run this module with a python that has deepspeed==0.19.* (see its docstring).", allow_module_level=True)
+from tests.reference import real_deepspeed
+
+real_deepspeed()  # imported once here so the forked ranks inherit it; skips in shardwise's own venv
 
 from tests.gan import gan_run  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
