@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import shardwise
 from tests.gan import gan_oracle, gan_run
-from tests.harness import RankFailure, run_distributed
+from tests.harness import run_distributed
 from tests.parity import assert_close_run, ds_config, make_model, micro_batch, oracle, param_groups, train_steps
 
 STAGES = (0, 1, 2, 3)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from typing import Any
 
 import pytest

@@ -62,7 +62,8 @@ def _train(engine, steps, batches=None, pause=0.0):
             seconds += step_end - start
             loss_sum += loss.item()
             time.sleep(pause)
-            first_forward = (start, forward_end) if m == 0 else first_forward
+            if m == 0:
+                first_forward = (start, forward_end)
         record.append((loss_sum / ACCUM, engine.get_lr()[0], engine.get_global_grad_norm(), seconds,
                        (step_start, step_end), first_forward))
     return record

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.zero import formula_bytes, measured_bytes
 from tests.harness import run_distributed
-from tests.parity import (train_steps, assert_close_run, ds_config, full_state_dict, make_model, micro_batch, oracle,
+from tests.parity import (train_steps, assert_close_run, ds_config, full_state_dict, make_model, oracle,
                           param_groups)
 
 STEPS = 20

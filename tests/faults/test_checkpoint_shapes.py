@@ -12,7 +12,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
 
 import shardwise
 from shardwise.checkpoint import cli

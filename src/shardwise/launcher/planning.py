@@ -18,7 +18,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from shardwise.launcher import affinity, hostfile, netutil, remote_env, runners
+from shardwise.launcher import affinity, hostfile, netutil, remote_env
 from shardwise.launcher.flags import LaunchError
 from shardwise.launcher.hostfile import Node
 from shardwise.launcher.jobspec import Elastic, JobSpec
