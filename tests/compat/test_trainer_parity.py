@@ -3,7 +3,8 @@ package: fp32 losses and gradient norms within 1e-5 (the issue asks 1e-4), saved
 
 Needs an interpreter with the real DeepSpeed: `make test-deepspeed` (as .ci/run does) sets
 SHARDWISE_DEEPSPEED_PYTHON to .dsvenv's. DeepSpeed gets two processes through torchrun; shardwise
-through its own `deepspeed` command."""
+through its own `deepspeed` command. (shardwise's ZeRO-3 Trainer runs at two processes are compared with
+the plain-Trainer oracle in test_hf_trainer.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ CASES = {  # name: (flags, world size)
     "zero0-ds-optimizer": (["--stage", "0", "--ds_optimizer"], 1),
     "zero3-offload-lora-auto": (["--stage", "3", "--offload", "--lora", "--ds_optimizer"], 1),
     "zero2-two-ranks": (["--stage", "2", "--ds_optimizer"], 2),
-    "zero3-lora-gc-two-ranks": (["--stage", "3", "--lora", "--gc"], 2),
+    # Two processes at ZeRO-3 fail in the real DeepSpeed on CPU: the `zero.Init` that from_pretrained enters
+    # counts one process there (accelerate's CPU path) and asserts on the batch sizes the Trainer filled in.
+    "zero3-lora-gc": (["--stage", "3", "--lora", "--gc"], 1),
 }
 
 
