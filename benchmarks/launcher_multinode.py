@@ -110,8 +110,10 @@ def main() -> None:
         tmp = Path(name)
         hosts = make_hosts(tmp)
         try:
+            from _harness import source_state
+
             result = {"figure": "launcher_multinode", "cpu_cores": os.cpu_count(), "bus_bandwidth": bandwidth(hosts, tmp),
-                      "seconds_to_first_step": startup(hosts, tmp)}
+                      "seconds_to_first_step": startup(hosts, tmp), "shardwise_source": source_state()}
         finally:
             remove_hosts(hosts)
     text = json.dumps(result, indent=1)

@@ -151,7 +151,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out_dir:
         result = run_distributed(_rank_main, WORLD, out_dir, args.rounds, args.steps, timeout=1800)[0]
-    summary = summarize(result, args.rounds, args.steps)
+    from _harness import source_state
+
+    summary = {**summarize(result, args.rounds, args.steps), "shardwise_source": source_state()}
     text = json.dumps(summary, indent=2)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

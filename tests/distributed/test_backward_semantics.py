@@ -21,7 +21,16 @@ import torch.distributed as dist
 import shardwise
 from tests.gan import gan_oracle, gan_run
 from tests.harness import run_distributed
-from tests.parity import assert_close_run, ds_config, make_model, micro_batch, oracle, param_groups, train_steps
+from tests.logs import LogMessages
+from tests.parity import (
+    assert_close_run,
+    ds_config,
+    make_model,
+    micro_batch,
+    oracle,
+    param_groups,
+    train_steps,
+)
 
 STAGES = (0, 1, 2, 3)
 STEPS, MICRO, ACCUM = 4, 2, 2
@@ -155,17 +164,8 @@ def test_two_backwards_before_one_step_sum_their_gradients():
             torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {name}: {m}")
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _no_backward_sweep():
-    handler = _Messages()
+    handler = LogMessages()
     logging.getLogger("shardwise.runtime.engine").addHandler(handler)
     out = {}
     for stage in STAGES:

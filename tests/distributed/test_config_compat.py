@@ -13,8 +13,18 @@ import torch.distributed as dist
 
 import shardwise
 from tests.harness import run_distributed
-from tests.parity import (assert_close_run, ds_config, engine_run, full_state_dict, global_batch, make_model, micro_batch,
-                          param_groups, train_steps)
+from tests.logs import LogMessages
+from tests.parity import (
+    assert_close_run,
+    ds_config,
+    engine_run,
+    full_state_dict,
+    global_batch,
+    make_model,
+    micro_batch,
+    param_groups,
+    train_steps,
+)
 
 STEPS, MICRO, ACCUM, WORLD = 6, 2, 2, 2
 
@@ -122,20 +132,11 @@ def test_global_batch_is_the_ranks_micro_batches():
     assert torch.equal(torch.cat(tiles), tokens)
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _initialize_runs():
     from shardwise.config import notes
 
     notes._given.clear()  # a fresh process would not have given these notes yet
-    messages = _Messages()
+    messages = LogMessages()
     logging.getLogger("shardwise").addHandler(messages)
     model = make_model()
     client = torch.optim.SGD(param_groups(model), lr=0.5)

@@ -21,19 +21,18 @@ from shardwise.config import ConfigError
 from shardwise.config.parse import parse_config
 from shardwise.runtime.step import NonFiniteGradientError
 from tests.harness import run_distributed
-from tests.parity import assert_close_run, ds_config, global_batch, make_model, micro_batch, param_groups
+from tests.logs import LogMessages
+from tests.parity import (
+    assert_close_run,
+    ds_config,
+    global_batch,
+    make_model,
+    micro_batch,
+    param_groups,
+)
 
 STAGES = (0, 1, 2, 3)
 STEPS, BAD_STEP, MICRO = 5, 2, 2
-
-
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _params(engine) -> dict[str, torch.Tensor]:
@@ -61,7 +60,7 @@ def _train(engine, steps: int) -> list[tuple[float, bool, bool, int]]:
 
 
 def _skip_sweep():
-    handler = _Messages()
+    handler = LogMessages()
     logging.getLogger("shardwise.runtime.engine").addHandler(handler)
     out = {}
     for precision in ("fp32", "bf16"):

@@ -9,8 +9,8 @@ unknown key, never with another error.
 
 from __future__ import annotations
 
-import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +19,13 @@ import pytest
 from shardwise.config import ConfigError, parse_config
 from shardwise.config import deepspeed_keys as ds
 
+TOOLS = Path(__file__).parents[2] / "tools"
+sys.path.insert(0, str(TOOLS))
+from deepspeed_config_keys import build_config  # noqa: E402 - the tool that wrote the catalogue builds its configs
+
 CATALOGUE = json.loads((Path(__file__).parents[1] / "data" / "deepspeed_0_19_8_config_keys.json").read_text())
 KEYS: dict[str, dict[str, Any]] = CATALOGUE["keys"]
-BASE = {"train_micro_batch_size_per_gpu": 1}
 NOT_IMPLEMENTED = "a DeepSpeed setting that shardwise does not implement yet"
-
-
-def build_config(path: str, value: Any, context: dict[str, Any] | None) -> dict[str, Any]:
-    config = copy.deepcopy(BASE)
-    _merge(config, copy.deepcopy(context or {}))
-    *parents, leaf = path.split(".")
-    node = config
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = copy.deepcopy(value)
-    return config
-
-
-def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
 
 
 def _cases() -> list[Any]:
@@ -94,14 +78,11 @@ def test_docs_page_is_rendered_from_the_table():
 
 def test_catalogue_matches_the_installed_deepspeed():
     """Re-extracts the catalogue from the real DeepSpeed (`make test-deepspeed` runs this in its venv)."""
-    import sys
-
     from tests.reference import real_deepspeed
 
     deepspeed = real_deepspeed()
     if deepspeed.__version__ != CATALOGUE["deepspeed_version"]:
         pytest.skip(f"deepspeed {deepspeed.__version__} installed; the catalogue is of {CATALOGUE['deepspeed_version']}")
-    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
     import deepspeed_config_keys as tool
 
     extracted = tool.catalogue()
