@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..error_file import write_error_file
 from .errors import CheckpointError
 from .save import SaveJob, pack_job, prepare, write_and_publish
 from .tags import save_tag_problem
@@ -133,10 +134,8 @@ def _report_at_exit(ref: weakref.ref) -> None:
 
 def _record(error: CheckpointError) -> None:
     """Print `error`, and give it to the launcher (its error file) unless the script's own failure is there."""
-    from ..launcher.bootstrap import record_failure
-
+    text = f"{type(error).__name__}: {error}"
+    sys.stderr.write(text + "\n")
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and os.path.exists(path):
-        sys.stderr.write(f"{type(error).__name__}: {error}\n")
-    else:
-        record_failure(error)
+    if not (path and os.path.exists(path)):
+        write_error_file(text, "")

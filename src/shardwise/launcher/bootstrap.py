@@ -17,20 +17,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
-import socket
 import sys
-import time
 import traceback
 from types import TracebackType
 
+from shardwise.error_file import HOST_VAR, host_name, write_error_file  # noqa: F401 - HOST_VAR: node.py sets it here
 from shardwise.launcher import affinity, watchdog
 
 PID_FILE_VAR = "SHARDWISE_PID_FILE"
 RANK_LOG_VAR = "SHARDWISE_EACH_RANK_LOG"
-HOST_VAR = "SHARDWISE_NODE_HOST"
 MODES = ("path", "module", "exec")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -38,10 +35,6 @@ _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PR
 
 def _first(names: tuple[str, ...], default: str = "0") -> str:
     return next((os.environ[n] for n in names if os.environ.get(n)), default)
-
-
-def host_name() -> str:
-    return os.environ.get(HOST_VAR) or socket.gethostname()
 
 
 def redirect_output(log_dir: str) -> None:
@@ -81,17 +74,6 @@ def _script_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def _is_ours(filename: str) -> bool:
     return filename == __file__ or os.path.basename(filename) == "runpy.py" or filename == "<frozen runpy>"
-
-
-def write_error_file(message: str, callstack: str) -> None:
-    """What the launcher reports for this rank, in the agent's error file (torch's ``record`` format + extras)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    info = {"py_callstack": callstack, "timestamp": str(int(time.time())), "shardwise_time": time.time(),
-            "shardwise_host": host_name()}
-    with open(path, "w") as f:
-        json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def record_failure(error: BaseException) -> None:
