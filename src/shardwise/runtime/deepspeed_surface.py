@@ -18,6 +18,32 @@ class DeepSpeedSurface:
     config: Any
     module: torch.nn.Module
     topology: Any
+    precision: Any
+    optimizer: torch.optim.Optimizer
+    _last_step: Any
+
+    # --- batch, learning rate, the last step ------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._last_step.grad_norm if self._last_step else None
+
+    def was_step_applied(self) -> bool:
+        return bool(self._last_step and self._last_step.applied)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scaler.scale
 
     # --- precision and ZeRO --------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
@@ -44,6 +70,10 @@ class DeepSpeedSurface:
     def zero_cpu_offload(self) -> bool:
         return self.config.zero_optimization.offload_optimizer.device == "cpu"
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`stage3_gather_16bit_weights_on_model_save`: whether a model save may gather whole weights."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
@@ -55,11 +85,11 @@ class DeepSpeedSurface:
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(model dtype, gradient-accumulation dtype), as DeepSpeed reports them."""
-        return self.precision.param_dtype, self.precision.grad_accum_dtype  # type: ignore[attr-defined]
+        return self.precision.param_dtype, self.precision.grad_accum_dtype
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        return self.precision.reduce_dtype  # type: ignore[attr-defined]
+        return self.precision.reduce_dtype
 
     # --- layout ------------------------------------------------------------------------------
     @property

@@ -95,28 +95,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         param_access.register(self)
 
-    # --- DeepSpeed's accessors -------------------------------------------------------------
+    # --- accumulation boundaries (the rest of DeepSpeed's accessors: deepspeed_surface.py) -------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.strategy.optimizer
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self._last_step.grad_norm if self._last_step else None
-
-    def was_step_applied(self) -> bool:
-        return bool(self._last_step and self._last_step.applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -125,10 +107,6 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = is_boundary
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scaler.scale
 
     # --- training ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -299,10 +277,6 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         from ..checkpoint.weights import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """The config's `stage3_gather_16bit_weights_on_model_save`: whether a model save may gather whole weights."""
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
         """ZeRO-3's whole weights on rank 0 (None on the other ranks); every rank must call it."""
