@@ -46,6 +46,9 @@ $(DS_STAMP): $(STAMP)
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
 # Trainer-level comparisons from .venv, which run each script under both.
 test-deepspeed: $(STAMP) $(DS_STAMP)
+	@# DeepSpeed builds its CPU ops on first use under torch's file lock; a build killed mid-way (Ctrl-C, a
+	@# timeout) leaves the lock behind and every later load waits on it forever. No build takes 10 minutes.
+	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +10 -print -delete 2>/dev/null || true
 	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs \
 		tests/distributed/test_deepspeed_parity.py tests/distributed/test_deepspeed_parity_backward.py \
 		tests/unit/test_deepspeed_parity_optim.py \
