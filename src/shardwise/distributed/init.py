@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from .. import accelerator
-from ..launcher.watchdog import start_parent_watchdog
 from .env import discover
+from .parent_watchdog import start_parent_watchdog
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 
 1. sends this rank's stdout/stderr to ``<dir>/rank<R>.log`` if ``--enable_each_rank_log`` asked for it;
 2. notes its pid in the ``--save_pid`` file (``SHARDWISE_PID_FILE``);
-3. starts the parent-death watchdog (``watchdog.py``: no orphaned ranks after a SIGKILLed launcher);
+3. starts the parent-death watchdog (``distributed/parent_watchdog.py``: no orphaned ranks after a SIGKILLed launcher);
 4. under mpirun/srun (no ``RANK`` set), exports the torch variables found by ``distributed.env``, so
    scripts that call ``torch.distributed.init_process_group`` themselves work too;
 5. with ``--bind_cores_to_rank``, pins this rank to its share of the node's cores (``affinity.py``);
@@ -23,8 +23,9 @@ import sys
 import traceback
 from types import TracebackType
 
+from shardwise.distributed import parent_watchdog as watchdog
 from shardwise.error_file import HOST_VAR, host_name, write_error_file  # noqa: F401 - HOST_VAR: node.py sets it here
-from shardwise.launcher import affinity, watchdog
+from shardwise.launcher import affinity
 
 PID_FILE_VAR = "SHARDWISE_PID_FILE"
 RANK_LOG_VAR = "SHARDWISE_EACH_RANK_LOG"

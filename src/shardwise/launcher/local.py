@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.utils import macros
 
-from shardwise.launcher import affinity, bootstrap, watchdog
+from shardwise.distributed import parent_watchdog as watchdog
+from shardwise.launcher import affinity, bootstrap
 from shardwise.launcher.failures import Failure, first_failure, from_child_failed
 from shardwise.launcher.messages import say
 from shardwise.launcher.netutil import free_port, port_is_free
@@ -137,7 +138,7 @@ def run_agent(plan: LocalLaunch) -> None:
     """Run this node's elastic agent; raises ``ChildFailedError`` / ``SignalException`` as torchrun does.
 
     Workers start through ``bootstrap.py`` and learn this process's pid, so that they stop themselves if it
-    is killed (see [Note: orphaned ranks] in ``watchdog.py``).
+    is killed (see [Note: orphaned ranks] in ``distributed/parent_watchdog.py``).
     """
     if plan.venv_script:
         os.environ.update(sourced_env(plan.venv_script))
