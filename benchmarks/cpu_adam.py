@@ -5,7 +5,7 @@ two moments), one AdamW step at a time (lr 1e-3, betas 0.9/0.999, weight decay 0
 
 | optimizer | what runs |
 | --- | --- |
-| shardwise CPUAdam | `shardwise.ops.CPUAdam` (adamw_mode=True) |
+| shardwise CPUAdam | `shardwise.optim.adam.CPUAdam` (adamw_mode=True) |
 | torch fused | `torch.optim.AdamW(fused=True)` |
 | torch foreach | `torch.optim.AdamW(foreach=True)` |
 | DeepSpeedCPUAdam | `deepspeed.ops.adam.DeepSpeedCPUAdam` (adamw_mode=True), when importable; its op builds on first use |
@@ -61,7 +61,7 @@ def _make(name: str, params: list[Any]) -> Any:
     import torch
 
     if name == "shardwise CPUAdam":
-        from shardwise.ops import CPUAdam
+        from shardwise.optim.adam import CPUAdam
 
         return CPUAdam(params, adamw_mode=True, **HP)
     if name == "torch fused":

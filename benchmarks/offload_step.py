@@ -4,7 +4,7 @@ World size 2 on CPU (gloo, one intra-op thread per rank), the demo GPT preset `b
 parameters at sequence length 128), micro-batch 8, AdamW, no clipping: the setup of
 `zero_stages.py` with `"offload_optimizer": {"device": "cpu"}` added to `zero_optimization` for
 both libraries (same `sub_group_size`, its default 1e9 in both: one sub-group). shardwise steps
-the host masters with torch's fused AdamW (`shardwise.ops.CPUAdam`'s kernel); DeepSpeed with its
+the host masters with torch's fused AdamW (`shardwise.optim.adam.CPUAdam`'s kernel); DeepSpeed with its
 DeepSpeedCPUAdam op (built on first use). On a CPU-only machine "offload" moves nothing across a
 bus: what this measures is each library's bookkeeping around the offloaded step (gradient copies
 to the fp32 host buffers, the CPU optimizer, copying the updated values back into the parameters).

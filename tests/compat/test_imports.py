@@ -64,7 +64,7 @@ def test_names_are_shardwises():
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     assert deepspeed.initialize is shardwise.initialize and deepspeed.zero.Init is shardwise.zero.Init
-    assert deepspeed.DeepSpeedEngine is shardwise.Engine and DeepSpeedCPUAdam is shardwise.ops.CPUAdam
+    assert deepspeed.DeepSpeedEngine is shardwise.Engine and DeepSpeedCPUAdam is shardwise.optim.adam.CPUAdam
     assert deepspeed.get_accelerator() is shardwise.accelerator.get_accelerator()
     assert ZeroParamStatus is shardwise.zero.ZeroParamStatus
     assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == "0.19.8+shardwise"

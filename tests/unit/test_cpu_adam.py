@@ -1,11 +1,11 @@
-"""shardwise.ops.CPUAdam: DeepSpeedCPUAdam's interface, torch's arithmetic."""
+"""shardwise.optim.adam.CPUAdam: DeepSpeedCPUAdam's interface, torch's arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardwise.ops import CPUAdam
+from shardwise.optim.adam import CPUAdam
 
 
 def _run(make, steps=5):

@@ -1,4 +1,4 @@
-"""shardwise.ops: DeepSpeed's optimizer constructors, checked against the update rules written out here
+"""shardwise.optim.adam and Lamb: DeepSpeed's optimizer constructors, checked against the update rules written out here
 (not against the torch classes they are built on)."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.ops import CPUAdagrad, CPUAdam, FusedAdam, FusedLamb
+from shardwise.optim.adam import CPUAdagrad, CPUAdam, FusedAdam
+from shardwise.optim.lamb import Lamb as FusedLamb
 
 STEPS, N = 4, 50
 

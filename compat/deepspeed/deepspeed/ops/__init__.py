@@ -1,4 +1,4 @@
-"""`deepspeed.ops`: optimizers with DeepSpeed's constructors (shardwise.ops); shardwise builds no native ops."""
+"""`deepspeed.ops`: optimizers with DeepSpeed's constructors (shardwise.optim.adam); shardwise builds no native ops."""
 
 from . import adagrad, adam, lamb, lion
 

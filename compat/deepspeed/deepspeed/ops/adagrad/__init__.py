@@ -1,3 +1,3 @@
-from shardwise.ops import CPUAdagrad as DeepSpeedCPUAdagrad
+from shardwise.optim.adam import CPUAdagrad as DeepSpeedCPUAdagrad
 
 __all__ = ["DeepSpeedCPUAdagrad"]

@@ -1,4 +1,4 @@
-from shardwise.ops import CPUAdam as DeepSpeedCPUAdam
-from shardwise.ops import FusedAdam
+from shardwise.optim.adam import CPUAdam as DeepSpeedCPUAdam
+from shardwise.optim.adam import FusedAdam
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

@@ -1,3 +1,3 @@
-from shardwise.ops import CPUAdam as DeepSpeedCPUAdam
+from shardwise.optim.adam import CPUAdam as DeepSpeedCPUAdam
 
 __all__ = ["DeepSpeedCPUAdam"]

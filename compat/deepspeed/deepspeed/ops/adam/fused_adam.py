@@ -1,3 +1,3 @@
-from shardwise.ops import FusedAdam
+from shardwise.optim.adam import FusedAdam
 
 __all__ = ["FusedAdam"]

@@ -1,3 +1,3 @@
-from shardwise.ops import FusedLamb
+from shardwise.optim.lamb import Lamb as FusedLamb
 
 __all__ = ["FusedLamb"]
