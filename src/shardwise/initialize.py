@@ -21,10 +21,11 @@ from .optim.param_groups import check_model_parameters
 from .optim.registry import build_optimizer, build_scheduler, check_optimizer, check_scheduler
 from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
+from .protocols import MakeOptimizer, ParamGroups, StrategyInputs
 from .runtime.data import DistributedLoader
 from .runtime.engine import Engine
 from .runtime.rank_fingerprint import check_ranks_agree
-from .runtime.strategy import MakeOptimizer, ParamGroups, StrategyInputs, make_strategy
+from .zero.factory import make_strategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[ParamGroups], torch.optim.Optimizer] | None
 

@@ -84,7 +84,7 @@ def _placement(zero, nvme):
     compute = [p for p in engine.module.parameters() if p.numel()]  # stage 3: none are whole between forwards
     masters = [p for g in engine.optimizer.param_groups for p in g["params"]]
     states = [v for m in masters for v in engine.optimizer.state.get(m, {}).values() if v.dim() > 0]
-    # Stage 3's parameter slices between uses (what zero.memory.measured_bytes reads too).
+    # Stage 3's parameter slices between uses (what profiling.memory.measured_bytes reads too).
     units = getattr(engine.strategy, "units", [])
     out = {"masters": [_where(t, compute) for t in masters], "states": [_where(t, compute) for t in states],
            "slices": [{**_where(u.shard, masters), "trainable": u.master is not None} for u in units],

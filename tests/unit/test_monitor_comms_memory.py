@@ -10,7 +10,9 @@ import torch
 
 from shardwise.distributed import CommStats
 from shardwise.profiling import bus_factor, comm_rows, memory_breakdown, summary_table
-from shardwise.profiling.memory import ActivationTracker, expected_model_states
+from shardwise.profiling.activations import ActivationTracker
+from shardwise.profiling.memory import expected_model_states
+from shardwise.protocols import ModelStateTensors
 
 
 @pytest.mark.parametrize("op, n, factor", [
@@ -65,15 +67,17 @@ def _fake_strategy():
     optimizer.step()
     for p in module.parameters():
         p.grad = None
-    buckets = types.SimpleNamespace(buckets=[types.SimpleNamespace(flat=grad_flat, params=trainable)])
-    return types.SimpleNamespace(module=module, optimizer=optimizer, buckets=buckets), numel
+    held = ModelStateTensors(trainable, [module.frozen.weight, module.frozen.bias], [grad_flat], trainable,
+                             optimizer_offloaded=False, params_offloaded=False)
+    return types.SimpleNamespace(module=module, optimizer=optimizer, model_state_tensors=lambda: held), numel
 
 
 def test_memory_breakdown_matches_byte_counts():
     strategy, numel = _fake_strategy()
     mem = memory_breakdown(strategy, torch.device("cpu"), stage=0, dp_size=2)
     params = sum(p.numel() * 4 for p in strategy.module.parameters())
-    state = sum(t.numel() * t.element_size() for s in strategy.optimizer.state.values() for t in s.values())
+    # per-element states only: the 0-d step counters are no model state
+    state = sum(t.numel() * t.element_size() for s in strategy.optimizer.state.values() for t in s.values() if t.dim())
     assert mem.parameters.host == params and mem.parameters.device == 0
     assert mem.master_weights.total == 0  # fp32: the optimizer updates the module's own parameters
     assert mem.gradients.host == (numel + 5) * 4

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..protocols import TrainingEngine
 from . import files, layout
 from .errors import CheckpointError
 from .progress import restore_progress
@@ -21,7 +22,7 @@ from .reader import CheckpointReader
 logger = logging.getLogger(__name__)
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: str | None, load_module_strict: bool,
+def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load_module_strict: bool,
                     load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
     reader = CheckpointReader(load_dir, tag)
     meta = reader.meta

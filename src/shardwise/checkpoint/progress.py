@@ -20,12 +20,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..protocols import TrainingEngine
+
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps", "window_micro_steps")
 
 
-def progress_meta(engine: Any) -> dict[str, Any]:
+def progress_meta(engine: TrainingEngine) -> dict[str, Any]:
     """The manifest's `counters` and `data_loader` entries (every rank computes the same)."""
     pending = engine.window_micro_steps
     if pending and dist.get_rank() == 0:
@@ -41,7 +43,7 @@ def progress_meta(engine: Any) -> dict[str, Any]:
     }
 
 
-def restore_progress(engine: Any, meta: dict[str, Any]) -> None:
+def restore_progress(engine: TrainingEngine, meta: dict[str, Any]) -> None:
     """Take up the saved counters and loader position in this engine's batch layout (see the note)."""
     counters, saved = meta["counters"], meta["config"]
     for key in ("global_steps", "global_samples", "skipped_steps"):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from ..protocols import TrainingEngine
 from ..version import __version__
 from . import files, layout
 from .errors import CheckpointError
@@ -45,7 +46,7 @@ class SaveJob:
         return layout.partial_dir(self.root, self.tag)
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
+def save_checkpoint(engine: TrainingEngine, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
                     exclude_frozen_parameters: bool = False) -> str:
     """Save `engine` to `save_dir/<tag>/` (tag default: global_step<N>) and point `save_dir/latest` at it.
 
@@ -63,14 +64,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None, client_state: d
     return engine.checkpoint_writer.save(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
 
-def pack_job(engine: Any, root: Path, tag: str, client_state: dict[str, Any], save_latest: bool, copy: bool,
+def pack_job(engine: TrainingEngine, root: Path, tag: str, client_state: dict[str, Any], save_latest: bool, copy: bool,
              exclude_frozen: bool = False) -> SaveJob:
     """This rank's share of the checkpoint, in host memory (copies when `copy`: the write may run later)."""
     meta = engine_meta(engine, tag, client_state)
     meta["frozen_parameters_excluded"] = exclude_frozen
     with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
         tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
-                                 include_buffers=dist.get_rank() == 0, copy=copy or _swapped(engine),
+                                 include_buffers=dist.get_rank() == 0, copy=copy or engine.strategy.swaps_to_disk,
                                  include_frozen=not exclude_frozen)
     meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
                             "persistent_buffers": persistent_buffers(engine.module),
@@ -152,7 +153,7 @@ def _latest(root: Path) -> str:
     return repr(latest.read_bytes().decode(errors="replace")) if latest.is_file() else "no tag (there is none)"
 
 
-def engine_meta(engine: Any, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
+def engine_meta(engine: TrainingEngine, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
     try:
         json.dumps(client_state)
     except TypeError as e:
@@ -177,7 +178,7 @@ def _elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
 
 
-def _pack(engine: Any, include_replicated: bool, include_buffers: bool, copy: bool,
+def _pack(engine: TrainingEngine, include_replicated: bool, include_buffers: bool, copy: bool,
           include_frozen: bool = True) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's pieces as tensors, and their index records. With `copy` the tensors are
     snapshots in host memory, so training may change the originals while they are written."""
@@ -201,12 +202,6 @@ def _pack(engine: Any, include_replicated: bool, include_buffers: bool, copy: bo
         for name, buf in engine.module.named_buffers():
             tensors[layout.buffer_key(name)] = _host(buf, copy)
     return tensors, records
-
-
-def _swapped(engine: Any) -> bool:
-    """Whether resident() hands out temporary buffers (NVMe): the snapshot must outlive them."""
-    offload = getattr(engine.strategy, "offload", None)
-    return hasattr(offload, "swapper")
 
 
 def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from ..protocols import TrainingEngine
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -29,18 +29,17 @@ def _untie(tensors: dict) -> dict:
     return out
 
 
-def consolidated_state_dict(engine: Any, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+def consolidated_state_dict(engine: TrainingEngine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
     """ZeRO-3's whole weights, in the training dtype on CPU, on rank 0; None on the other ranks.
 
     A collective: every rank must call it. Keys are those of `module.state_dict()`; a tied parameter appears
     under each of its names as one tensor, as DeepSpeed returns it.
     """
-    gather = getattr(engine.strategy, "consolidated_state_dict", None)
-    if gather is None:
-        raise ValueError(f"_zero3_consolidated_16bit_state_dict: requires ZeRO stage 3; got stage "
-                         f"{engine.config.zero_optimization.stage}. Below stage 3 every rank holds whole weights: use "
-                         "engine.module.state_dict().")
-    return gather(exclude_frozen)
+    stage = engine.config.zero_optimization.stage
+    if stage != 3:  # DeepSpeed's rule for this name: it is ZeRO-3's gather
+        raise ValueError(f"_zero3_consolidated_16bit_state_dict: requires ZeRO stage 3; got stage {stage}. Below "
+                         "stage 3 every rank holds whole weights: use engine.module.state_dict().")
+    return engine.strategy.consolidated_state_dict(exclude_frozen)
 
 
 def refuse_placeholders(state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
@@ -55,7 +54,7 @@ def refuse_placeholders(state: dict[str, torch.Tensor], module: torch.nn.Module)
                               "engine._zero3_consolidated_16bit_state_dict() called on every rank.")
 
 
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_frozen: bool = False) -> str | None:
+def save_16bit_model(engine: TrainingEngine, save_dir: str, save_filename: str, exclude_frozen: bool = False) -> str | None:
     """Consolidated weights in the training dtype, as one safetensors file written by rank 0.
 
     Every rank must call it. At stage 3 this gathers the model one module at a time, so it runs only when
@@ -68,13 +67,9 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_fro
                        "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (it gathers the whole "
                        "model on every rank), or use save_checkpoint, whose shards any layout can load.")
         return None
-    if zero.stage == 3:
-        state = consolidated_state_dict(engine, exclude_frozen)
-    else:
-        frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        state = {k: v for k, v in engine.module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    state = engine.strategy.consolidated_state_dict(exclude_frozen)
     path = Path(save_dir) / save_filename
-    if dist.get_rank() == 0:
+    if state is not None:  # global rank 0
         refuse_placeholders(state, engine.module)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")

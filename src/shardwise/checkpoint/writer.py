@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..error_file import write_error_file
+from ..protocols import TrainingEngine
 from .errors import CheckpointError
 from .save import SaveJob, pack_job, prepare, write_and_publish
 from .tags import save_tag_problem
@@ -64,7 +65,7 @@ class CheckpointWriter:
             raise CheckpointError(f"the background save of tag {job.tag!r} to {job.root} failed: "
                                   f"{type(error).__name__}: {error}") from error
 
-    def save(self, engine: Any, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
+    def save(self, engine: TrainingEngine, save_dir: str, tag: str | None, client_state: dict[str, Any], save_latest: bool,
              exclude_frozen: bool = False) -> str:
         self.wait()
         tag = self._agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")

@@ -42,7 +42,7 @@ class StepProgress:
     def update(self, figures: StepFigures) -> None:
         self._samples += figures.batch
         rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
-        self._progress.update(self._task, completed=figures.step, loss=f"{figures.loss:.4f}", rate=f"{rate:,.1f}")
+        self._progress.update(self._task, completed=figures.step, loss=f"{float(figures.loss):.4f}", rate=f"{rate:,.1f}")
         self._progress.refresh()
 
     def close(self) -> None:

@@ -24,8 +24,8 @@ class StepFigures:
     """Optimizer steps done, this one included."""
     samples: int
     """Samples trained so far, all ranks (the x axis of the engine's events)."""
-    loss: float
-    """This rank's mean loss over the step's micro-batches."""
+    loss: float | torch.Tensor
+    """This rank's mean loss over the step's micro-batches; a tensor is read (a device sync) only at a report."""
     batch: int
     """Samples per optimizer step, all ranks."""
     tokens: int
@@ -42,7 +42,8 @@ class StepReporter:
         self._reset()
 
     def _reset(self) -> None:
-        self._loss_sum, self._steps, self._samples, self._tokens = 0.0, 0, 0, 0
+        self._loss_sum: float | torch.Tensor = 0.0
+        self._steps, self._samples, self._tokens = 0, 0, 0
         self._flops: float | None = 0.0
 
     def mark_start(self) -> None:
@@ -56,7 +57,7 @@ class StepReporter:
     def on_step(self, figures: StepFigures, flops: float | None, timers_ms: dict[str, float]) -> list[Event]:
         """Account one optimizer step (`flops`: this rank's, None if unknown); at a report, write and
         return the events."""
-        self._loss_sum += figures.loss
+        self._loss_sum = self._loss_sum + figures.loss
         self._steps += 1
         self._samples += figures.batch
         self._tokens += figures.tokens
@@ -71,7 +72,7 @@ class StepReporter:
 
     def _events(self, f: StepFigures, timers_ms: dict[str, float]) -> list[Event]:
         seconds = max(time.perf_counter() - (self._start or time.perf_counter()), 1e-9)
-        values: dict[str, float] = {"train_loss": self._loss_sum / self._steps, "lr": f.lr[0] if f.lr else 0.0,
+        values: dict[str, float] = {"train_loss": float(self._loss_sum) / self._steps, "lr": f.lr[0] if f.lr else 0.0,
                                     "loss_scale": f.loss_scale}
         if f.grad_norm is not None:
             values["grad_norm"] = f.grad_norm

@@ -29,6 +29,8 @@ WriteBack = Callable[[int], None]
 
 class OnDevice:
     offloaded = False
+    swaps_to_disk = False
+    """`resident()` reads state in from swap files into buffers released when it exits."""
 
     def home(self, values: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(values)
@@ -51,9 +53,6 @@ class OnDevice:
 
     def close(self) -> None:
         """Release files and threads (NVMe)."""
-        swapper = getattr(self, "swapper", None)
-        if swapper is not None:
-            swapper.close()
 
 
 def _sub_groups(numels: list[int], size: int) -> list[list[int]]:
@@ -115,6 +114,8 @@ class HostOffload(OnDevice):
 class NvmeOffload(HostOffload):
     """Masters and optimizer state in swap files between steps; at most two sub-groups resident."""
 
+    swaps_to_disk = True
+
     def __init__(self, cfg: OffloadOptimizerConfig, sub_group_size: int, rank: int, aio: AioConfig):
         super().__init__(cfg, sub_group_size)
         self.swapper = NvmeSwapper(cfg.nvme_path, "offload_optimizer", rank, aio)
@@ -122,6 +123,9 @@ class NvmeOffload(HostOffload):
         self.numels: list[int] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._empty = torch.empty(0)
+
+    def close(self) -> None:
+        self.swapper.close()
 
     def home(self, values: torch.Tensor) -> torch.nn.Parameter:
         master = torch.nn.Parameter(values.detach().to("cpu", torch.float32).clone())

@@ -16,15 +16,15 @@ from .nvme import NvmeSwapper, aligned_empty
 
 class ParamsOnDevice:
     offloaded = False
+    swaps_to_disk = False
+    """`resident()` reads state in from swap files into buffers released when it exits."""
 
     def resident(self, units: list) -> contextlib.AbstractContextManager:
         """Every unit's `shard` a real, writable tensor for the duration (checkpoints use it)."""
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        swapper = getattr(self, "swapper", None)
-        if swapper is not None:
-            swapper.close()
+        """Release files and threads (NVMe)."""
 
     def keep(self, index: int, shard: torch.Tensor) -> torch.Tensor:
         return shard
@@ -54,10 +54,14 @@ class ParamsOnHost(ParamsOnDevice):
 
 class ParamsOnNvme(ParamsOnDevice):
     offloaded = True
+    swaps_to_disk = True
 
     def __init__(self, cfg: OffloadParamConfig, rank: int, aio: AioConfig):
         self.swapper = NvmeSwapper(cfg.nvme_path, "offload_param", rank, aio)
         self._meta: dict[int, tuple[int, torch.dtype]] = {}
+
+    def close(self) -> None:
+        self.swapper.close()
 
     def keep(self, index: int, shard: torch.Tensor) -> torch.Tensor:
         name = f"param{index}"

@@ -53,6 +53,9 @@ def check_autocast(cfg: TorchAutocastConfig, device: torch.device) -> None:
         raise ConfigError(problems)
 
 
+_OFF: ContextManager[None] = contextlib.nullcontext()
+
+
 def forward_autocast(cfg: TorchAutocastConfig, device: torch.device) -> Callable[[], ContextManager[None]]:
     """A factory of the context the engine's forward runs in."""
     if cfg.enabled:
@@ -61,7 +64,7 @@ def forward_autocast(cfg: TorchAutocastConfig, device: torch.device) -> Callable
 
     def outer_autocast_off() -> ContextManager[None]:
         if not torch.is_autocast_enabled(device.type):
-            return contextlib.nullcontext()
+            return _OFF
         note_once(logger, logging.WARNING,
                   "torch.autocast is on around the engine but torch_autocast is not enabled in the config: the engine's "
                   "forward runs without it (fp16/bf16.enabled set its precision), as in DeepSpeed. Enable torch_autocast "

@@ -20,10 +20,10 @@ from .. import accelerator
 from ..config.monitoring import FlopsProfilerConfig
 from .flops import FlopsSession, ModelProfile
 from .flops_report import render
+from .noop import NOTHING
 from .units import si
 
 logger = logging.getLogger("shardwise")
-_NOTHING: ContextManager[None] = contextlib.nullcontext()
 
 
 class FlopsProfiler:
@@ -39,7 +39,7 @@ class FlopsProfiler:
         if self._session is not None and self._session.open:
             self._finish()  # a second forward before backward: keep the forward-only profile
         if self._done or global_steps != self.config.profile_step:
-            return _NOTHING
+            return NOTHING
         return self._profiled_forward(module, global_steps)
 
     @contextlib.contextmanager
@@ -58,7 +58,7 @@ class FlopsProfiler:
 
     def backward(self) -> ContextManager[None]:
         if self._session is None or not self._session.open:
-            return _NOTHING
+            return NOTHING
         return self._profiled_backward(self._session)
 
     @contextlib.contextmanager
@@ -73,7 +73,7 @@ class FlopsProfiler:
     def step(self) -> ContextManager[None]:
         """Around the optimizer step that ends the profiled step: times it, then reports."""
         if self.profile is None or self._step is None:
-            return _NOTHING
+            return NOTHING
         return self._timed_step()
 
     @contextlib.contextmanager

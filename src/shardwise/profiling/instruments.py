@@ -20,17 +20,19 @@ from ..monitor.base import FanOut
 from ..monitor.build import build_monitor
 from ..monitor.progress import progress_from_env
 from ..monitor.reporter import PREFIX, StepFigures, StepReporter
+from ..protocols import ShardingStrategy
+from .activations import ActivationTracker
 from .comms import CommsLogger
 from .flops_profiler import FlopsProfiler
-from .memory import ActivationTracker, MemoryBreakdown, memory_breakdown
+from .memory import MemoryBreakdown, memory_breakdown
+from .noop import NOTHING
 from .timers import StepTimers
 
 logger = logging.getLogger("shardwise")
-_NOTHING: ContextManager[None] = contextlib.nullcontext()
 
 
 class Instruments:
-    def __init__(self, config: Config, strategy: Any, comm: Collectives, device: torch.device, rank: int,
+    def __init__(self, config: Config, strategy: ShardingStrategy, comm: Collectives, device: torch.device, rank: int,
                  dp_size: int):
         self.monitor: FanOut = build_monitor(config, rank)
         self.timers = StepTimers(config.wall_clock_breakdown, device)
@@ -46,20 +48,21 @@ class Instruments:
         self._flops_per_token = 6 * sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
         self._micro_batches = 0
         self._figures: StepFigures | None = None
+        self._deferring = False
 
     # --- phases ------------------------------------------------------------------------------
     def forward(self, module: torch.nn.Module, global_steps: int) -> ContextManager[None]:
         self._micro_batches += 1
         self.reporter.mark_start()
         profiled = self.flops_profiler.forward(module, global_steps)
-        if not self.timers.enabled and not self.activations.enabled and profiled is _NOTHING:
-            return _NOTHING
+        if not self.timers.enabled and not self.activations.enabled and profiled is NOTHING:
+            return NOTHING
         return _all(self.timers("forward"), profiled, self.activations.track(module))
 
     def backward(self) -> ContextManager[None]:
         profiled = self.flops_profiler.backward()
-        if not self.timers.enabled and profiled is _NOTHING:
-            return _NOTHING
+        if not self.timers.enabled and profiled is NOTHING:
+            return NOTHING
         return _all(self.timers("backward"), profiled)
 
     def reduce(self) -> ContextManager[None]:
@@ -70,19 +73,32 @@ class Instruments:
         """Around the strategy's `sync_params`: gathering updated parameters after the optimizer step."""
         return self.timers("step_allgather")
 
+    def step(self, boundary: bool) -> ContextManager[None]:
+        """Around `engine.step()`; the step is reported after its own time is measured."""
+        profiled = self.flops_profiler.step() if boundary else NOTHING
+        if not self.timers.enabled and profiled is NOTHING:
+            return NOTHING  # `on_step` reports at once: there is no time of the step's to wait for
+        return self._measured_step(profiled)
+
     @contextlib.contextmanager
-    def step(self, boundary: bool) -> Iterator[None]:
-        """Around `engine.step()`; reports after the step's own time is measured."""
+    def _measured_step(self, profiled: ContextManager[None]) -> Iterator[None]:
         # The profiler's context is outermost so that printing its report is not timed as the step.
-        with _all(self.flops_profiler.step() if boundary else _NOTHING, self.timers("step")):
-            yield
+        self._deferring = True
+        try:
+            with _all(profiled, self.timers("step")):
+                yield
+        finally:
+            self._deferring = False
         if self._figures is not None:
             figures, self._figures = self._figures, None
             self._report(figures)
 
     def on_step(self, figures: StepFigures) -> None:
-        """An optimizer step was taken; it is reported when the `step` context closes."""
-        self._figures = figures
+        """An optimizer step was taken: reported now, or when a measured `step` context closes."""
+        if self._deferring:
+            self._figures = figures
+        else:
+            self._report(figures)
 
     # --- reports -----------------------------------------------------------------------------
     def _report(self, figures: StepFigures) -> None:

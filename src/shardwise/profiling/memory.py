@@ -1,33 +1,102 @@
-"""What fills memory on this rank: bytes of parameters, master weights, gradients, optimizer state and
-buffers (counted from the tensors themselves), the activations peak, the device / host peaks, next to
-what the ZeRO formula expects for the model states.
+"""The memory account: what the ZeRO formula predicts for the model states, what a rank actually holds
+(counted from the tensors the strategy declares), and the whole breakdown with buffers, activations and
+peaks. The estimator (`shardwise estimate`), the engine's `memory_breakdown()` and the tests all read these
+figures, from this one place.
 
-Tensors are counted once per storage (a gradient view into a bucket counts as part of the bucket; a
-tied parameter once), by the bytes of that storage, so padding is included.
+Tensors are counted once per storage (a gradient view into a bucket counts as part of the bucket; a tied
+parameter once), by the bytes of that storage, so padding is included. Optimizer state counts the
+per-element states; 0-d step counters are not model state.
 
-[Note: activation bytes] Activations are the tensors autograd saves for backward. While tracking is
-on, a saved-tensors hook records each one's storage during forward; the sum (parameters excluded, each
-storage once) of the largest forward seen is the activations peak. Tracking costs a Python call per
-saved tensor, so it runs only with `memory_breakdown: true`.
+[Note: model-state formula] With Ψ trainable elements, N data-parallel ranks, P bytes per parameter
+(4 fp32, 2 fp16/bf16), G bytes per gradient and K bytes of optimizer state per element (Adam: 8 for
+the two moments, plus 4 for the fp32 master copy when parameters are 16-bit):
+  stage 0: (P + G + K)Ψ      stage 1: (P + G)Ψ + KΨ/N
+  stage 2: PΨ + (G + K)Ψ/N   stage 3: (P + G + K)Ψ/N
+Frozen parameters add their bytes to P's share (partitioned at stage 3 too). With offload, the K part
+lives in host memory instead of on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import resource
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Iterator
+from typing import Iterable
 
 import torch
 
+from ..protocols import ShardingStrategy
+from .activations import storage_key
 from .table import render_table
 from .units import binary_bytes
 
-# Optimizer-state bytes per parameter element, per state dtype byte: the number of full-size states.
+# Full-size fp32 optimizer states per parameter element.
 _STATES_PER_ELEMENT = {"Adam": 2, "AdamW": 2, "Lamb": 2, "Adagrad": 1, "SGD": 1, "RMSprop": 1}
 
 
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    """fp32 master copies (when parameters are 16-bit) plus optimizer state."""
+
+    optimizer_offloaded: bool = False
+    """Masters and optimizer state live in host memory or on disk (offload_optimizer)."""
+    params_offloaded: bool = False
+    """Stage-3 parameter slices live in host memory or on disk (offload_param)."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device(self) -> int:
+        """Bytes held where the model computes."""
+        return (0 if self.params_offloaded else self.params) + self.grads + (0 if self.optimizer_offloaded else self.optimizer)
+
+    @property
+    def host(self) -> int:
+        """Bytes held in host memory by offloading (what is swapped to disk counts in neither)."""
+        return self.total - self.device
+
+
+def formula_bytes(numel: int, world: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
+                  optimizer_bytes: int = 8, frozen_bytes: int = 0, optimizer_offloaded: bool = False) -> ModelStateBytes:
+    """Bytes per rank for `numel` trainable elements (see [Note: model-state formula])."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: must be 0, 1, 2 or 3; got {stage}.")
+    p, g, k = param_bytes * numel + frozen_bytes, grad_bytes * numel, optimizer_bytes * numel
+    return ModelStateBytes(params=p // world if stage >= 3 else p, grads=g // world if stage >= 2 else g,
+                           optimizer=k // world if stage >= 1 else k, optimizer_offloaded=optimizer_offloaded)
+
+
+def adam_estimate(numel: int, world: int, stage: int, offload: bool, mixed: bool) -> ModelStateBytes:
+    """The formula for Adam: 16-bit parameters and gradients with fp32 masters (`mixed`), or all fp32."""
+    width = 2 if mixed else 4
+    return formula_bytes(numel, world, stage, width, width, 12 if mixed else 8, optimizer_offloaded=offload)
+
+
+def describe_estimate(numel: int, world: int, stage: int, offload: bool, mixed: bool) -> str:
+    est = adam_estimate(numel, world, stage, offload, mixed)
+    return (f"stage {stage}, {world} rank(s), {numel / 1e6:.1f}M params, {'mixed' if mixed else 'fp32'}"
+            f"{', offload' if offload else ''}: {est.device / 2**30:.2f} GiB device + {est.host / 2**30:.2f} GiB host "
+            "per rank")
+
+
+def estimate_model_states_memory(model: torch.nn.Module, num_gpus: int = 1, num_nodes: int = 1, stage: int = 2,
+                                 offload: bool = False, mixed_precision: bool = True) -> dict[str, int]:
+    """Expected model-state bytes per rank for Adam training of `model`; prints one line, as DeepSpeed's
+    estimators do, and returns the figures."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    world = num_gpus * num_nodes
+    est = adam_estimate(numel, world, stage, offload, mixed_precision)
+    print(describe_estimate(numel, world, stage, offload, mixed_precision))
+    return {"params": est.params, "grads": est.grads, "optimizer": est.optimizer, "device": est.device,
+            "host": est.host}
+
+
+# --- what a rank holds ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bytes:
     device: int = 0
@@ -36,6 +105,35 @@ class Bytes:
     @property
     def total(self) -> int:
         return self.device + self.host
+
+
+def _tally(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> Bytes:
+    """Bytes of the distinct storages behind `tensors` that are not in `seen` (which then holds them)."""
+    device = host = 0
+    for t in tensors:
+        key = storage_key(t)
+        if key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        n = t.untyped_storage().nbytes()
+        if t.device.type == "cpu":
+            host += n
+        else:
+            device += n
+    return Bytes(device, host)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def measured_bytes(strategy: ShardingStrategy) -> ModelStateBytes:
+    """Bytes of trainable parameters, persistent gradient buffers and optimizer-side state this rank holds."""
+    held, seen = strategy.model_state_tensors(), set()
+    params = _tally(held.params, seen).total
+    grads = _tally(held.grads, seen).total
+    optimizer = _tally(held.masters, seen).total + _tally(_optimizer_state(strategy.optimizer), seen).total
+    return ModelStateBytes(params, grads, optimizer, held.optimizer_offloaded, held.params_offloaded)
 
 
 @dataclass(frozen=True)
@@ -47,12 +145,12 @@ class MemoryBreakdown:
     optimizer_state: Bytes
     buffers: Bytes
     activations_peak: int | None
-    """Largest saved-for-backward bytes of one forward; None unless tracked (see [Note: activation bytes])."""
+    """Largest saved-for-backward bytes of one forward; None unless tracked (profiling/activations.py)."""
     device_peak: int | None
     """torch.cuda.max_memory_allocated; None on CPU."""
     host_peak_rss: int
     expected_model_states: int | None
-    """DeepSpeed's ZeRO formula for parameters + gradients + masters + optimizer state; None when the
+    """The ZeRO formula for parameters + gradients + masters + optimizer state; None when the
     optimizer's state size is not known."""
 
     @property
@@ -73,121 +171,40 @@ class MemoryBreakdown:
         return render_table("Memory on this rank", ["What", "Device", "Host"], rows)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (t.device.type, t.untyped_storage().data_ptr())
-
-
-def _tally(tensors: Iterable[torch.Tensor], exclude: set[tuple[str, int]]) -> tuple[Bytes, list[torch.Tensor]]:
-    """Bytes of the distinct storages behind `tensors`, skipping (and then adding to) `exclude`; and the
-    tensors counted."""
-    device = host = 0
-    counted = []
-    for t in tensors:
-        key = _storage_key(t)
-        if key in exclude or t.device.type == "meta":
-            continue
-        exclude.add(key)
-        counted.append(t)
-        n = t.untyped_storage().nbytes()
-        if t.device.type == "cpu":
-            host += n
-        else:
-            device += n
-    return Bytes(device, host), counted
-
-
-def _tensors_under(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
-    """Tensors reachable from `obj` through lists, tuples, dicts and object attributes."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module)):
-        return
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_under(v, depth - 1)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            yield from _tensors_under(v, depth - 1)
-    elif hasattr(obj, "__dict__"):
-        for v in vars(obj).values():
-            yield from _tensors_under(v, depth - 1)
-
-
-def gradient_tensors(strategy: Any) -> list[torch.Tensor]:
-    """The strategy's gradient storage: its `grad_buffers()` when it defines one, else the tensors under
-    its `buckets`, plus any `.grad` still held by a parameter."""
-    if hasattr(strategy, "grad_buffers"):
-        found = list(strategy.grad_buffers())
-    else:
-        found = list(_tensors_under(getattr(strategy, "buckets", None)))
-    found += [p.grad for p in strategy.module.parameters() if p.grad is not None]
-    return found
-
-
 def expected_model_states(param_bytes: int, numel: int, grad_bytes: int, master_bytes: int,
                           optimizer: torch.optim.Optimizer, stage: int, dp_size: int) -> int | None:
-    """The ZeRO paper's formula, in bytes per rank: `param_bytes` of (all) parameters, and per trainable
-    element `grad_bytes` of gradient, `master_bytes` of master weight and the optimizer's fp32 states.
-    Stage 1 partitions optimizer state (masters included), stage 2 also gradients, stage 3 also
-    parameters. Optimizers not in the table give None."""
+    """The formula in bytes per rank: `param_bytes` of all parameters, and per trainable element `grad_bytes`
+    of gradient, `master_bytes` of master weight and the optimizer's fp32 states. Optimizers not in the
+    table give None."""
     states = _STATES_PER_ELEMENT.get(type(optimizer).__name__)
     if states is None:
         return None
-    state_dtype_bytes = 4  # optimizer states are kept in fp32
-    optimizer_bytes = numel * (states * state_dtype_bytes + master_bytes)
-    params, grads = param_bytes, numel * grad_bytes
-    if stage >= 1:
-        optimizer_bytes //= dp_size
-    if stage >= 2:
-        grads //= dp_size
-    if stage >= 3:
-        params //= dp_size
-    return params + grads + optimizer_bytes
+    return formula_bytes(numel, dp_size, stage, 0, grad_bytes, states * 4 + master_bytes, frozen_bytes=param_bytes).total
 
 
-class ActivationTracker:
-    """Measures saved-for-backward bytes per forward (see [Note: activation bytes])."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.peak: int | None = None
-
-    @contextlib.contextmanager
-    def track(self, module: torch.nn.Module) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        params = {_storage_key(p) for p in module.parameters()}
-        seen: dict[tuple[str, int], int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if key not in params:
-                seen[key] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.peak = max(self.peak or 0, sum(seen.values()))
-
-
-def memory_breakdown(strategy: Any, device: torch.device, stage: int, dp_size: int,
+def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: int, dp_size: int,
                      activations_peak: int | None = None) -> MemoryBreakdown:
-    module, optimizer = strategy.module, strategy.optimizer
+    module, optimizer, held = strategy.module, strategy.optimizer, strategy.model_state_tensors()
     seen: set[tuple[str, int]] = set()
-    parameters, _ = _tally(module.parameters(), seen)
-    masters, _ = _tally([p for g in optimizer.param_groups for p in g["params"]], seen)
-    gradients, grads = _tally(gradient_tensors(strategy), seen)
-    state, _ = _tally([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], seen)
-    buffers, _ = _tally(module.buffers(), seen)
+    parameters = _tally([*held.params, *held.frozen], seen)
+    masters = _tally(held.masters, seen)
+    loose = [p.grad for p in module.parameters() if p.grad is not None]
+    gradients = _tally([*held.grads, *loose], seen)
+    state = _tally(_optimizer_state(optimizer), seen)
+    buffers = _tally(module.buffers(), seen)
     numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    master_bytes = 4 if masters.total else 0
-    grad_bytes = max(grads, key=torch.Tensor.numel).element_size() if grads else 4
-    expected = expected_model_states(param_bytes, numel, grad_bytes, master_bytes, optimizer, stage, dp_size)
+    param_bytes = sum(_whole_numel(p) * p.element_size() for p in module.parameters())
+    grad_bytes = max(held.grads, key=torch.Tensor.numel).element_size() if held.grads else 4
+    expected = expected_model_states(param_bytes, numel, grad_bytes, 4 if masters.total else 0, optimizer, stage,
+                                     dp_size)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return MemoryBreakdown(parameters, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)
+
+
+def _whole_numel(p: torch.Tensor) -> int:
+    """A parameter's elements, also when ZeRO-3 left only a placeholder in the module (`ds_numel`)."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

@@ -21,14 +21,12 @@ from typing import ContextManager, Iterator
 import torch
 
 from .. import accelerator
+from .noop import NOTHING
 
 PHASES = ("forward", "backward", "backward_reduce", "step", "step_allgather")
 """The engine's phases; `backward_reduce` is inside `backward` (the wait for gradient reduction after
 the last gradient is produced: the communication that backward did not hide); `step_allgather` is
 inside `step` (ZeRO-1/2 gathering the updated parameter slices)."""
-
-_NO_TIMER: ContextManager[None] = contextlib.nullcontext()
-
 
 class StepTimers:
     def __init__(self, enabled: bool, device: torch.device):
@@ -38,7 +36,7 @@ class StepTimers:
         self._steps = 0
 
     def __call__(self, name: str) -> ContextManager[None]:
-        return self._timed(name) if self.enabled else _NO_TIMER
+        return self._timed(name) if self.enabled else NOTHING
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:

@@ -38,11 +38,11 @@ from ..precision.autocast import forward_autocast
 from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
 from ..profiling.throughput import ThroughputTimer
+from ..protocols import ShardingStrategy
 from . import param_access
 from .call_checks import check_loss, explain_dtype_error
 from .deepspeed_surface import DeepSpeedSurface
 from .step import NonFiniteGradientError, StepResult, take_step
-from .strategy import ShardingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self._grads_since_step = False
         """A backward reached this engine since the last optimizer step (engine.backward or adopted grads)."""
         self._warned: set[str] = set()
-        self._window_loss = 0.0
+        self._window_loss: torch.Tensor | float = 0.0
+        """The window's summed loss, kept as a tensor until the step reports it: reading it every micro-step
+        would wait for the device."""
         self._window_tokens = 0
         self.training_dataloader: Any = None
         from ..checkpoint.writer import CheckpointWriter
@@ -121,8 +123,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
                                                     self.config.fp16.enabled)
                 if dtype_message:
                     raise TypeError(dtype_message) from e
-                explain = getattr(self.strategy, "explain_forward_error", None)
-                message = explain(e) if explain else None
+                message = self.strategy.explain_forward_error(e)
                 if message:
                     raise RuntimeError(message) from e
                 raise
@@ -133,7 +134,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self._grads_since_step = True
         self.strategy.begin_backward(reduce)
-        self._window_loss += float(loss.detach())
+        self._window_loss = self._window_loss + loss.detach()
         factor = self.precision.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps()
@@ -266,9 +267,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def destroy(self) -> None:
         """Finish a background save and release what the engine holds outside memory (NVMe swap files)."""
         self.checkpoint_writer.wait()
-        for policy in (getattr(self.strategy, "offload", None), getattr(self.strategy, "param_home", None)):
-            if policy is not None:
-                policy.close()
+        self.strategy.close()
 
     # --- consolidated weights (DeepSpeed's names; Hugging Face's Trainer and accelerate call them at ZeRO-3) ---
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",

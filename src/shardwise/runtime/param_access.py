@@ -16,10 +16,12 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..protocols import TrainingEngine
+
 _ENGINE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> weakref to the Engine
 
 
-def register(engine: Any) -> None:
+def register(engine: TrainingEngine) -> None:
     """Let the safe_* functions find `engine` from any of its module's parameters."""
     ref = weakref.ref(engine)
     for p in engine.module.parameters():
@@ -35,11 +37,11 @@ def _engine(param: torch.nn.Parameter) -> Any:
     return engine
 
 
-def _name(engine: Any, param: torch.nn.Parameter) -> str:
+def _name(engine: TrainingEngine, param: torch.nn.Parameter) -> str:
     return next(n for n, p in engine.module.named_parameters() if p is param)
 
 
-def _pieces(engine: Any, param: torch.nn.Parameter, key: str | None) -> list[tuple[Any, torch.Tensor]]:
+def _pieces(engine: TrainingEngine, param: torch.nn.Parameter, key: str | None) -> list[tuple[Any, torch.Tensor]]:
     """(slot, this rank's piece) for `param`: its master values, or optimizer state `key`."""
     name = _name(engine, param)
     out = []

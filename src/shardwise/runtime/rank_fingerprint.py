@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..distributed import Collectives, CollectiveError, Group
+from ..distributed import CollectiveError, Collectives, Group
 from ..distributed.agreement import Section, check_agreement
+from ..protocols import ParamGroups
 from ..version import __version__
 from ..zero.stage3.registry import INIT_SHARD_OF
-from .strategy import ParamGroups
 
 PER_RANK_CONFIG_KEYS = frozenset({
     "tensorboard.output_path", "tensorboard.job_name", "csv_monitor.output_path", "csv_monitor.job_name",

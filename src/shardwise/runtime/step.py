@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, ContextManager
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 from ..precision import LossScaler
-from .strategy import ShardingStrategy
+from ..protocols import ShardingStrategy
 
 
 class NonFiniteGradientError(FloatingPointError):

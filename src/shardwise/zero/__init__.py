@@ -1,6 +1,6 @@
 """ZeRO: the flat-buffer primitive, gradient buckets and the sharding strategies for stages 0-3."""
 
-from .memory import estimate_model_states_memory, formula_bytes, measured_bytes
+from ..profiling.memory import estimate_model_states_memory, formula_bytes, measured_bytes
 from .on_device import OnDevice
 from .stage3.ds_attributes import ZeroParamStatus
 from .stage3.init import GatheredParameters, Init, load_state_dict_partitioned

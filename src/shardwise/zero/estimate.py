@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .memory import _report
+from ..profiling.memory import describe_estimate
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload", action="store_true", help="optimizer state in host memory")
     args = parser.parse_args(argv)
     for stage in (0, 1, 2, 3):
-        _report(int(args.params), args.num_gpus * args.num_nodes, stage, args.offload, not args.fp32)
+        print(describe_estimate(int(args.params), args.num_gpus * args.num_nodes, stage, args.offload, not args.fp32))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ are zero in gradients and never read into parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,21 @@ class BucketLayout:
         """The [start, end) slice of this bucket owned by `rank` of `world`."""
         size = self.padded_numel // world
         return rank * size, (rank + 1) * size
+
+    def owned(self, slot: Slot, rank: int, world: int) -> tuple[int, int, int]:
+        """(start, end, at): the flat elements [start, end) of `slot`'s tensor that `rank`'s shard holds, at
+        the shard's elements [at, at + end - start). Empty (start == end) when the shard holds none of them."""
+        lo, hi = self.shard_range(rank, world)
+        first, last = max(lo, slot.offset), max(min(hi, slot.offset + slot.numel), lo)
+        first = min(first, last)
+        return first - slot.offset, last - slot.offset, first - lo
+
+    def pieces(self, rank: int, world: int) -> Iterator[tuple[int, int, int, int]]:
+        """(slot position, start, end, at) of `owned` for every slot with elements in `rank`'s shard, in order."""
+        for position, slot in enumerate(self.slots):
+            start, end, at = self.owned(slot, rank, world)
+            if start < end:
+                yield position, start, end, at
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -191,15 +191,7 @@ class GradBuckets:
     def replicated(cls, params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,
                    reducer: Reducer, overlap: bool = True) -> GradBuckets:
         """Stage 0: every rank keeps and steps on whole buckets."""
-        # Gradients arrive roughly in reverse registration order: bucket in that order so the
-        # first bucket fills (and is sent) first.
-        ordered = list(reversed(params))
-        buckets, start = [], 0
-        for layout in plan_buckets([p.numel() for p in ordered], bucket_numel(reduce_bucket_size, dtype)):
-            members = ordered[start : start + len(layout.slots)]
-            start += len(members)
-            buckets.append(Bucket(layout, members, dtype, (0, layout.padded_numel), partitioned=False))
-        return cls(buckets, reducer, overlap)
+        return cls(plan_grad_buckets(params, reduce_bucket_size, dtype, partitioned=False), reducer, overlap)
 
     def begin(self, reduce: bool) -> None:
         """Called before each backward: `reduce` is true on micro-steps whose gradients are reduced."""
@@ -288,6 +280,10 @@ class GradBuckets:
     def shard_grads(self) -> list[torch.Tensor]:
         return [b.shard_grad for b in self.buckets]
 
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the reduced gradients, identical on every rank."""
+        return self.reducer.global_norm(self.shard_grads())
+
     def zero(self) -> None:
         for bucket in self.buckets:
             bucket.zero()
@@ -296,3 +292,18 @@ class GradBuckets:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def plan_grad_buckets(params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,
+                      rank: int = 0, world: int = 1, partitioned: bool = False) -> list[Bucket]:
+    """Buckets over `params` of at most `bucket_numel` elements, each padded for `world` ranks, with
+    `rank`'s shard of each (the whole bucket when world is 1)."""
+    # Gradients arrive roughly in reverse registration order: bucket in that order so the first bucket
+    # fills (and is sent) first.
+    ordered = list(reversed(params))
+    buckets, start = [], 0
+    for layout in plan_buckets([p.numel() for p in ordered], bucket_numel(reduce_bucket_size, dtype), world):
+        members = ordered[start : start + len(layout.slots)]
+        start += len(members)
+        buckets.append(Bucket(layout, members, dtype, layout.shard_range(rank, world), partitioned=partitioned))
+    return buckets

@@ -64,6 +64,17 @@ class Reducer(Protocol):
         """Start reducing `bucket.flat` (which is scratch until the reduction is finished)."""
         ...
 
+    def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm over every rank's gradients, given this rank's reduction results (identical on every rank)."""
+        ...
+
+
+def l2_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over a list of tensors, accumulated in fp32 (a 0-d tensor; 0 for no tensors)."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).norm()
+
 
 def _on_wire(flat: torch.Tensor, before: float, dtype: torch.dtype) -> torch.Tensor:
     """`flat * before` in the wire dtype, in place when no cast is needed."""
@@ -89,6 +100,9 @@ class AllReduceMean:
                 flat.mul_(self.averaging.after)
 
         return Reduction(self.comm.all_reduce(wire, self.group), then)
+
+    def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
+        return l2_norm(results)  # every rank holds the same reduced gradients
 
 
 class ReduceScatterMean:
@@ -119,3 +133,9 @@ class ReduceScatterMean:
                 target.mul_(self.averaging.after)
 
         return Reduction(self.comm.reduce_scatter(out, wire, self.group), then)
+
+    def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
+        """Each rank holds a different part: the squares are summed across the group."""
+        squared = l2_norm(results).pow(2).reshape(1)
+        self.comm.all_reduce(squared, self.group).wait()
+        return squared.sqrt()[0]

@@ -87,11 +87,10 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
     layout: BucketLayout = plan_buckets([s.numel() for s in shapes], _NO_CAP, align=group.size)[0]
     lo, hi = layout.shard_range(group.rank, group.size)
     master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-    for slot, p, shape in zip(layout.slots, params, shapes):
-        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        values = _full_values(p, comm, group, device)
-        if start < end:
-            master[start - lo : end - lo] = values[start - slot.offset : end - slot.offset]
+    for slot, p in zip(layout.slots, params):
+        values = _full_values(p, comm, group, device)  # a collective: every rank, whatever it keeps
+        start, end, at = layout.owned(slot, group.rank, group.size)
+        master[at : at + end - start] = values[start:end]
     master_param = offload.home(master) if trainable else None
     # fp32 on the device: the slice the optimizer updates is the very one that is all-gathered (no copy).
     shard = master if param_dtype == torch.float32 else master.to(param_dtype)

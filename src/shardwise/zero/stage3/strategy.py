@@ -21,8 +21,7 @@ import contextlib
 import torch
 
 from ...offload import make_optimizer_offload, make_param_home
-from ...runtime.strategy import StateSlot, StrategyInputs
-from ..data_parallel import _norm
+from ...protocols import ModelStateTensors, StateSlot, StrategyInputs
 from ..grad_buckets import Bucket, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
@@ -104,10 +103,7 @@ class Stage3:
         return self.buckets.adopt(scale)
 
     def grad_norm(self) -> torch.Tensor:
-        local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.trainable else torch.zeros(())
-        total = local_sq.reshape(1)
-        self.comm.all_reduce(total, self.group).wait()
-        return total.sqrt()[0]
+        return self.buckets.grad_norm()
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_(self.buckets.shard_grads(), factor)
@@ -155,12 +151,10 @@ class Stage3:
         with self.resident(), torch.no_grad():
             for unit in self.units:
                 target = unit.master if unit.master is not None else unit.shard
-                lo, hi = unit.layout.shard_range(self.group.rank, self.group.size)
-                for slot, name in zip(unit.layout.slots, unit.names):
-                    start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if name in state and start < end:
-                        flat = state[name].reshape(-1)
-                        target[start - lo : end - lo] = flat[start - slot.offset : end - slot.offset]
+                for position, start, end, at in unit.layout.pieces(self.group.rank, self.group.size):
+                    name = unit.names[position]
+                    if name in state:
+                        target[at : at + end - start] = state[name].reshape(-1)[start:end]
                 unit.write_back()
                 unit.release(force=True)
         buffers = {k: v for k, v in state.items() if k not in names}
@@ -171,14 +165,10 @@ class Stage3:
     def state_slots(self) -> list[StateSlot]:
         slots = []
         for unit in self.units:
-            lo, hi = unit.layout.shard_range(self.group.rank, self.group.size)
             source = unit.master.detach() if unit.master is not None else unit.shard
-            for slot, name, shape in zip(unit.layout.slots, unit.names, unit.shapes):
-                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if start < end:
-                    slots.append(StateSlot(name, tuple(shape), start - slot.offset, end - slot.offset,
-                                           source[start - lo : end - lo], unit.master is not None, unit.master,
-                                           start - lo))
+            for position, start, end, at in unit.layout.pieces(self.group.rank, self.group.size):
+                slots.append(StateSlot(unit.names[position], tuple(unit.shapes[position]), start, end,
+                                       source[at : at + end - start], unit.master is not None, unit.master, at))
         return slots
 
     def resident(self) -> contextlib.AbstractContextManager:
@@ -194,6 +184,22 @@ class Stage3:
         for unit in self.units:
             unit.release(force=True)
         self._gather_persistent()
+
+    @property
+    def swaps_to_disk(self) -> bool:
+        return self.offload.swaps_to_disk or self.param_home.swaps_to_disk
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        def stored(units: list[ParamUnit]) -> list[torch.Tensor]:  # slices, and whole copies kept resident
+            return [u.shard for u in units] + [u.full for u in units if u.persistent]
+
+        frozen = [u for u in self.units if u.master is None]
+        return ModelStateTensors(stored(self.trainable), stored(frozen), self.buckets.shard_grads(), self.masters,
+                                 optimizer_offloaded=self.offload.offloaded, params_offloaded=self.param_home.offloaded)
+
+    def close(self) -> None:
+        self.offload.close()
+        self.param_home.close()
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

@@ -106,10 +106,8 @@ class ParamUnit:
 
     def local_part(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's elements of `param` in the stored slice (flat; empty when none fall in it)."""
-        slot = self.layout.slots[self.index_of(param)]
-        lo, hi = self.layout.shard_range(self.group.rank, self.group.size)
-        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        return self.shard[start - lo : max(start, end) - lo]
+        start, end, at = self.layout.owned(self.layout.slots[self.index_of(param)], self.group.rank, self.group.size)
+        return self.shard[at : at + end - start]
 
     def _expect(self, *states: UnitState) -> None:
         if self.state not in states:

@@ -1,8 +1,10 @@
-"""The sharding-strategy protocol, one for ZeRO stages 0-3, and the one place a stage is chosen.
+"""The sharding-strategy protocol: one for ZeRO stages 0-3 (implemented in `zero/`, chosen once by
+`zero.factory.make_strategy`).
 
-The engine talks only to this interface and never branches on the stage. A strategy owns the
-module's parameters as training sees them, the gradient reduction, the master weights and the
-optimizer over them.
+The engine, the checkpoint package and the instruments talk only to this interface: they never branch on
+the stage and never probe a strategy for attributes. A strategy owns the module's parameters as training
+sees them, the gradient reduction, the master weights and the optimizer over them, and where its state
+lives (offload).
 """
 
 from __future__ import annotations
@@ -48,12 +50,34 @@ class StateSlot:
     """Every data-parallel rank holds the same slot: only rank 0 writes it."""
 
 
+@dataclass(frozen=True)
+class ModelStateTensors:
+    """The model-state tensors a rank holds, by kind, for the memory account (`profiling/memory.py`).
+    Views of one storage may appear more than once: the account counts each storage once."""
+
+    params: list[torch.Tensor]
+    """The trainable parameters as this rank stores them (stage 3: its slices, and full copies kept resident)."""
+    frozen: list[torch.Tensor]
+    """The parameters that do not train, as this rank stores them."""
+    grads: list[torch.Tensor]
+    """Persistent gradient storage (the reduce buckets, or this rank's partition of them)."""
+    masters: list[torch.Tensor]
+    """What the optimizer updates: fp32 master copies, or the parameters themselves when they are fp32."""
+    optimizer_offloaded: bool
+    """Masters and optimizer state live in host memory or on disk (offload_optimizer)."""
+    params_offloaded: bool
+    """Stage-3 parameter slices live in host memory or on disk (offload_param)."""
+
+
 class ShardingStrategy(Protocol):
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     reduces_every_micro_step: bool
     """True when gradients must be reduced during every backward (stage 2 keeps only partitions), so
     there is no local accumulation that `no_sync` could defer."""
+    swaps_to_disk: bool
+    """`resident()` reads state in from swap files (NVMe offload) into buffers that are released when it
+    exits: a checkpoint snapshot taken inside must copy what it keeps."""
 
     def begin_backward(self, reduce: bool) -> None:
         """Before a micro-step's backward; `reduce` is true when it ends an accumulation window."""
@@ -83,6 +107,13 @@ class ShardingStrategy(Protocol):
 
     def zero_grads(self) -> None: ...
 
+    def explain_forward_error(self, error: BaseException) -> str | None:
+        """`error` (raised by the module's forward) with what this strategy knows about its cause, or None."""
+
+    def consolidated_state_dict(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        """Whole module weights in the training dtype on global rank 0, None on the other ranks; keys as in
+        `module.state_dict()`. A collective where parameters are partitioned: every rank calls it."""
+
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load full module weights (by name) and refresh the master weights from them."""
 
@@ -94,6 +125,12 @@ class ShardingStrategy(Protocol):
 
     def resident(self) -> contextlib.AbstractContextManager:
         """Offloaded state in memory for the duration: `state_slots()` is used inside it."""
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        """What this rank holds of parameters, gradients, masters (see `ModelStateTensors`)."""
+
+    def close(self) -> None:
+        """Release what lives outside memory (swap files); the strategy is not used afterwards."""
 
 
 @dataclass(frozen=True)
@@ -108,18 +145,3 @@ class StrategyInputs:
     prescale_gradients: bool
     gradient_predivide_factor: float
     aio: AioConfig = AioConfig()
-
-
-def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:
-    stage = inputs.zero.stage
-    if stage == 0:
-        from ..zero.data_parallel import DataParallel
-
-        return DataParallel(inputs)
-    if stage in (1, 2):
-        from ..zero.sharded_optimizer import ShardedDataParallel
-
-        return ShardedDataParallel(inputs, stage)
-    from ..zero.stage3.strategy import Stage3
-
-    return Stage3(inputs)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
-from ..runtime.strategy import ParamGroups, StateSlot, StrategyInputs
+from ..protocols import ModelStateTensors, ParamGroups, StateSlot, StrategyInputs
 from .grad_buckets import GradBuckets
 from .reducers import AllReduceMean, GradAveraging
 
@@ -22,9 +23,13 @@ def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over a list of tensors, accumulated in fp32."""
-    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).norm()
+def whole_state_dict(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
+    """`module.state_dict()` on global rank 0 (less frozen parameters), None elsewhere: for strategies whose
+    every rank holds whole parameters."""
+    if dist.get_rank() != 0:
+        return None
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
 
 
 def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamGroups:
@@ -39,6 +44,7 @@ def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamG
 
 class DataParallel:
     reduces_every_micro_step = False
+    swaps_to_disk = False
 
     def __init__(self, inputs: StrategyInputs):
         module, precision = inputs.module, inputs.precision
@@ -73,8 +79,7 @@ class DataParallel:
         return self.buckets.adopt(scale)
 
     def grad_norm(self) -> torch.Tensor:
-        # Gradients are replicated after the all-reduce: the local norm is the global one.
-        return _norm(self.buckets.shard_grads())
+        return self.buckets.grad_norm()
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_(self.buckets.shard_grads(), factor)
@@ -94,6 +99,12 @@ class DataParallel:
 
     def zero_grads(self) -> None:
         self.buckets.zero()
+
+    def explain_forward_error(self, error: BaseException) -> str | None:
+        return None  # the module holds its whole parameters: nothing of ours can be the cause
+
+    def consolidated_state_dict(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        return whole_state_dict(self.module, exclude_frozen)
 
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)
@@ -117,3 +128,11 @@ class DataParallel:
         if self.precision.mixed:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        return ModelStateTensors(list(self.params), frozen, self.buckets.shard_grads(), list(self.masters),
+                                 optimizer_offloaded=False, params_offloaded=False)
+
+    def close(self) -> None:
+        """Nothing lives outside memory."""

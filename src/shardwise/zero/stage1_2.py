@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from ..offload import make_optimizer_offload
-from ..runtime.strategy import StateSlot, StrategyInputs
-from .data_parallel import _norm, trainable_parameters
-from .flat_param import BucketLayout, plan_buckets
-from .grad_buckets import Bucket, GradBuckets, bucket_numel
+from ..protocols import ModelStateTensors, StateSlot, StrategyInputs
+from .flat_param import BucketLayout
+from .grad_buckets import Bucket, GradBuckets, plan_grad_buckets
 from .reducers import GradAveraging, ReduceScatterMean
+from .stage0 import trainable_parameters, whole_state_dict
 
 
 class ShardedDataParallel:
@@ -41,15 +41,10 @@ class ShardedDataParallel:
         buckets: list[Bucket] = []
         self.bucket_group: list[int] = []
         for index, params in enumerate(groups):
-            ordered = list(reversed(params))  # gradient arrival order: first bucket fills first
-            start = 0
-            cap = bucket_numel(inputs.zero.reduce_bucket_size, self.precision.grad_accum_dtype)
-            for layout in plan_buckets([p.numel() for p in ordered], cap, self.group.size):
-                members = ordered[start : start + len(layout.slots)]
-                start += len(members)
-                shard = layout.shard_range(self.group.rank, self.group.size)
-                buckets.append(Bucket(layout, members, self.precision.grad_accum_dtype, shard, partitioned=stage == 2))
-                self.bucket_group.append(index)
+            planned = plan_grad_buckets(params, inputs.zero.reduce_bucket_size, self.precision.grad_accum_dtype,
+                                        self.group.rank, self.group.size, partitioned=stage == 2)
+            buckets += planned
+            self.bucket_group += [index] * len(planned)
         self.offload = make_optimizer_offload(inputs.zero.offload_optimizer, inputs.zero.sub_group_size,
                                               self.group.rank, inputs.aio)
         self.param_flats, self.masters = zip(*(self._flatten(b) for b in buckets)) if buckets else ((), ())
@@ -98,10 +93,7 @@ class ShardedDataParallel:
         return self.buckets.adopt(scale)
 
     def grad_norm(self) -> torch.Tensor:
-        local_sq = _norm(self.buckets.shard_grads()).pow(2) if self.masters else torch.zeros(())
-        total = local_sq.reshape(1).to(self.buckets.buckets[0].device if self.masters else "cpu")
-        self.comm.all_reduce(total, self.group).wait()
-        return total.sqrt()[0]
+        return self.buckets.grad_norm()
 
     def scale_grads(self, factor: float) -> None:
         torch._foreach_mul_(self.buckets.shard_grads(), factor)
@@ -130,6 +122,12 @@ class ShardedDataParallel:
     def zero_grads(self) -> None:
         self.buckets.zero()
 
+    def explain_forward_error(self, error: BaseException) -> str | None:
+        return None  # the module's parameters are whole views into the flat buffers: nothing of ours can be the cause
+
+    def consolidated_state_dict(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        return whole_state_dict(self.module, exclude_frozen)  # the flat buffers are whole after sync_params
+
     def load_module_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)  # parameters are views: this fills the flat buffers
         with self.offload.resident(), torch.no_grad():
@@ -142,12 +140,10 @@ class ShardedDataParallel:
         names = {id(p): n for n, p in self.module.named_parameters()}
         slots = []
         for bucket, master in zip(self.buckets.buckets, self.masters):
-            lo, hi = bucket.shard
-            for slot, p in zip(bucket.layout.slots, bucket.params):
-                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if start < end:
-                    slots.append(StateSlot(names[id(p)], tuple(p.shape), start - slot.offset, end - slot.offset,
-                                           master.detach()[start - lo : end - lo], True, master, start - lo))
+            for position, start, end, at in bucket.layout.pieces(self.group.rank, self.group.size):
+                p = bucket.params[position]
+                slots.append(StateSlot(names[id(p)], tuple(p.shape), start, end, master.detach()[at : at + end - start],
+                                       True, master, at))
         in_buckets = {id(p) for b in self.buckets.buckets for p in b.params}
         slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
                   for n, p in self.module.named_parameters() if id(p) not in in_buckets]
@@ -160,6 +156,19 @@ class ShardedDataParallel:
         for i in range(len(self.masters)):
             self._write_back(i)
         self._all_gather_params()
+
+    @property
+    def swaps_to_disk(self) -> bool:
+        return self.offload.swaps_to_disk
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        params = [p for b in self.buckets.buckets for p in b.params]
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        return ModelStateTensors(params, frozen, self.buckets.shard_grads(), list(self.masters),
+                                 optimizer_offloaded=self.offload.offloaded, params_offloaded=False)
+
+    def close(self) -> None:
+        self.offload.close()
 
 
 def _trainable_groups(param_groups: list[dict[str, Any]], trainable: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

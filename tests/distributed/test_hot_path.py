@@ -1,0 +1,85 @@
+"""The per-step hot path: what a training step reads back from the device and which contexts it enters.
+
+On a GPU every read of a tensor's value on the host (`float(t)`, `t.item()`, `bool(t)`, `.cpu()`, ...) waits
+for the device. A micro-step (forward + backward) must read nothing; the optimizer step reads one value, the
+global gradient norm (it decides a non-finite step's skip and the clip coefficient); the running loss is read
+only when a report is due. With every instrument off each phase's context is the one shared no-op.
+These are counted by wrapping the reading methods of `torch.Tensor` on a rank of gloo at world size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.parity import ds_config, make_model, micro_batch, param_groups
+
+_READS = ("__float__", "__int__", "__bool__", "item", "tolist", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def counting_reads() -> Iterator[Counter]:
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _reads_per_phase(stage: int, steps_per_print: int) -> dict[str, object]:
+    import shardwise
+    from shardwise.profiling.noop import NOTHING
+
+    model = make_model()
+    config = ds_config(2, 2, clip=1.0, zero_optimization={"stage": stage}, steps_per_print=steps_per_print)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=param_groups(model), config=config)
+    batches = [micro_batch(step, m, 0, 2, 2, 1) for step in range(3) for m in range(2)]
+    engine.backward(engine(*batches[0]))  # the first step builds what later steps reuse
+    engine.step()
+    engine.backward(engine(*batches[1]))
+    engine.step()
+    out: dict[str, object] = {}
+    with counting_reads() as micro:
+        engine.backward(engine(*batches[2]))  # not a boundary: no step follows
+        engine.step()
+        engine.backward(engine(*batches[3]))  # the boundary's backward
+    out["micro_steps"] = dict(micro)
+    with counting_reads() as step:
+        engine.step()
+    out["step"] = dict(step)
+    instruments = engine.instruments
+    out["contexts"] = [instruments.forward(engine.module, engine.global_steps) is NOTHING,
+                       instruments.backward() is NOTHING, instruments.reduce() is NOTHING,
+                       instruments.allgather() is NOTHING, instruments.step(True) is NOTHING,
+                       instruments.step(False) is NOTHING]
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_micro_steps_read_nothing_and_a_step_reads_the_norm_once(stage):
+    out = run_distributed(_reads_per_phase, 1, stage, 1000)[0]
+    assert out["micro_steps"] == {}, f"stage {stage}: a micro-step read device values: {out['micro_steps']}"
+    assert out["step"] == {"__float__": 1}, f"stage {stage}: the optimizer step read {out['step']}"
+    assert out["contexts"] == [True] * 6, "with every instrument off, each phase must be the shared no-op context"
+
+
+def test_the_loss_is_read_when_a_report_is_due():
+    out = run_distributed(_reads_per_phase, 1, 0, 2)[0]  # step 2 reports
+    assert out["micro_steps"] == {}
+    assert out["step"].get("__float__", 0) >= 2, out["step"]  # the norm, and the reported loss

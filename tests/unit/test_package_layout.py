@@ -1,0 +1,103 @@
+"""The shape of `src/shardwise`, checked from the source text: imports flow one way (no circle between
+packages, contracts in a leaf), callers never probe a strategy for attributes, and README's Layout names
+exactly what `ls` shows."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "shardwise"
+TOP = sorted(p.name.removesuffix(".py") for p in PACKAGE.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py"))
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    """The top-level parts of shardwise a module imports (at any depth of the file, TYPE_CHECKING included)."""
+    here = path.relative_to(PACKAGE).parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        parts: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(here[: len(here) - node.level + 1])
+            parts = base + (node.module.split(".") if node.module else [])
+            if not parts:  # `from . import x` at the top: x is the target
+                found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardwise."):
+            parts = node.module.split(".")[1:]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("shardwise."):
+                    found.add(alias.name.split(".")[1])
+        if parts:
+            found.add(parts[0])
+    return found & set(TOP)
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in TOP}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        source = parts[0].removesuffix(".py")
+        if source in edges:
+            edges[source] |= _imported_top_levels(path) - {source}
+    return edges
+
+
+def _cycle_through(start: str, edges: dict[str, set[str]]) -> list[str] | None:
+    stack = [(start, [start])]
+    seen = set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in sorted(edges[node]):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_import_circle_between_packages():
+    edges = _edges()
+    circles = [" → ".join(c) for name in TOP if (c := _cycle_through(name, edges))]
+    assert not circles, f"import circles in src/shardwise: {circles}"
+
+
+def test_the_walk_finds_a_circle_when_there_is_one():
+    assert _cycle_through("a", {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle_through("a", {"a": {"b"}, "b": set()}) is None
+    assert "runtime" in _edges()["initialize"]  # the walk sees real imports
+
+
+def test_protocols_import_no_implementation():
+    assert _edges()["protocols"] <= {"config", "distributed", "precision"}
+
+
+_PROBES = re.compile(r"\b(getattr|hasattr)\(\s*(self\.)?(engine\.)?strategy\b")
+
+
+def test_nothing_probes_a_strategy_for_attributes():
+    probing = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py")
+               for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if _PROBES.search(line)]
+    assert not probing, f"capabilities a caller needs are typed members of ShardingStrategy; probed at {probing}"
+
+
+def _readme_layout_names() -> set[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    names = set()
+    for line in block.splitlines():
+        if not line.startswith("  ") or line.startswith("   "):
+            continue  # src/shardwise/ entries are indented by two spaces
+        first = re.split(r"\s{2,}", line.strip())[0]
+        names.update(n.strip().rstrip("/").removesuffix(".py") for n in first.split(","))
+    return names
+
+
+def test_readme_layout_matches_the_tree():
+    listed, present = _readme_layout_names(), set(TOP)
+    assert present - listed == set(), f"README's Layout lacks {sorted(present - listed)}"
+    assert listed - present == set(), f"README's Layout names what is not in src/shardwise: {sorted(listed - present)}"
