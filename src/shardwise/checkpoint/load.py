@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..protocols import TrainingEngine
+from ..protocols import StateSlot, TrainingEngine
 from . import files, layout
 from .errors import CheckpointError
 from .progress import restore_progress
@@ -65,7 +65,7 @@ def _check_names(reader: CheckpointReader, held: set[str], model: set[str], stri
         logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])
 
 
-def _check_shapes(reader: CheckpointReader, slots: list[Any], module: torch.nn.Module) -> None:
+def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torch.nn.Module) -> None:
     """Refuse, on every rank alike, any parameter or buffer whose saved shape differs from the model's.
 
     Reading by element range would otherwise load a smaller checkpoint's first elements into a larger
@@ -92,7 +92,7 @@ def _check_shapes(reader: CheckpointReader, slots: list[Any], module: torch.nn.M
             "never different shapes); build the model with the configuration it was saved from.")
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[Any], reader: CheckpointReader) -> None:
+def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], reader: CheckpointReader) -> None:
     saved = reader.meta["optimizer"]
     if saved["type"] != type(optimizer).__name__:
         raise CheckpointError(f"{reader.path}: optimizer state is for {saved['type']}, the engine has "
