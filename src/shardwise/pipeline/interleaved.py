@@ -3,8 +3,10 @@ micro-batch passes every stage `chunks` times and the fill/drain bubble shrinks 
 
 Stage `s`'s chunk `c` is virtual stage `c * stages + s`. Each stage walks micro-batches in groups of
 `stages`: forwards of the group on chunk 0, then on chunk 1, ..., then the next group; backwards walk
-the chunks in reverse. Warm-up is long enough that the first backward's gradient has had time to come
-back around the ring: 2 × (stages - s - 1) + (chunks - 1) × stages forwards.
+the chunks in reverse. Warm-up is Megatron's 2 × (stages - s - 1) + (chunks - 1) × stages forwards.
+Without the first term's factor 2 the schedule still runs and has the same bubble when transfers are
+free, and holds fewer activations; but each transfer's latency then stalls the steady state, where
+the longer warm-up keeps the next forward's input already there (the simulator shows both).
 """
 
 from __future__ import annotations

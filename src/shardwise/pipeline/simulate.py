@@ -179,3 +179,23 @@ def _result(stages: list[_Stage], chunks: int) -> SimulationResult:
     fraction = sum(idle) / (len(stages) * makespan) if makespan else 0.0
     return SimulationResult(makespan, tuple(s.busy for s in stages), idle, fraction,
                             tuple(s.peak for s in stages), tuple(s.peak / chunks for s in stages))
+
+
+def theoretical_bubble_fraction(schedule: str, stages: int, micro_batches: int, chunks: int = 1,
+                                forward_time: float = 1.0, backward_time: float = 2.0) -> float:
+    """The closed form the simulator should reproduce with no communication time, for the schedules
+    built here (by name). GPipe and 1F1B: (p - 1) / (m + p - 1) whatever the times; interleaved:
+    (p - 1) / (v·m + p - 1). ZB-H1 (backward split in halves B = W, valid while W <= F): the makespan
+    is the larger of m(F+B+W) + (p-1)(F+B-W) (steady state) and (m+p-1)(F+B) + W (too few micro-batches
+    to fill the drain)."""
+    p, m = stages, micro_batches
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (chunks * m + p - 1)
+    if schedule == "zb_h1":
+        f, half = forward_time, backward_time / 2
+        makespan = max(m * (f + 2 * half) + (p - 1) * f, (m + p - 1) * (f + half) + half)
+        return 1 - m * (f + 2 * half) / makespan
+    raise ValueError(f"schedule: one of gpipe, 1f1b, interleaved_1f1b, zb_h1 is required; got {schedule!r}. "
+                     "Simulate other schedules instead.")
