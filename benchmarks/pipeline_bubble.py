@@ -19,8 +19,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, environment, write_report
 
-from shardwise.pipeline import (Schedule, gpipe, interleaved_1f1b, one_f_one_b, simulate, theoretical_bubble_fraction,
-                                zb_h1)
+from shardwise.pipeline import (
+    Schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    simulate,
+    theoretical_bubble_fraction,
+    zb_h1,
+)
 
 STAGES = (2, 4)
 MICRO_BATCHES = (4, 8, 16)

@@ -9,8 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from shardwise.pipeline import (Instruction, Op, Schedule, ScheduleError, gpipe, inference, interleaved_1f1b,
-                                one_f_one_b, simulate, theoretical_bubble_fraction, zb_h1)
+from shardwise.pipeline import (
+    Instruction,
+    Op,
+    Schedule,
+    ScheduleError,
+    gpipe,
+    inference,
+    interleaved_1f1b,
+    one_f_one_b,
+    simulate,
+    theoretical_bubble_fraction,
+    zb_h1,
+)
 
 STAGES = range(1, 6)
 MICRO_BATCHES = range(1, 18)

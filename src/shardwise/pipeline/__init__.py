@@ -5,7 +5,12 @@ the executor (train_batch / eval_batch) come on top and follow these lists; none
 from .instructions import Instruction, Op, Schedule
 from .interleaved import interleaved_1f1b
 from .schedule import gpipe, inference, one_f_one_b
-from .simulate import ScheduleError, SimulationResult, simulate, theoretical_bubble_fraction
+from .simulate import (
+    ScheduleError,
+    SimulationResult,
+    simulate,
+    theoretical_bubble_fraction,
+)
 from .zero_bubble import zb_h1
 
 __all__ = ["Instruction", "Op", "Schedule", "ScheduleError", "SimulationResult", "gpipe", "inference",
