@@ -39,7 +39,7 @@ test: $(STAMP)
 $(DS_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(DS_VENV)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich tqdm \
+	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
 		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy)==')
 	touch $@
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -23,13 +22,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a path (python examples/demo/train.
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 import shardwise as deepspeed  # noqa: E402
 from examples.demo.data import TextDataset  # noqa: E402
 from examples.demo.model import GPT, PRESETS, preset  # noqa: E402
 from examples.demo.tokenizer import ByteTokenizer  # noqa: E402
+from examples.step_bar import StepBar  # noqa: E402
 from shardwise.runtime.data import RepeatingLoader  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -86,28 +84,25 @@ def evaluate(engine: Any, batches: list[Batch]) -> float:
 def train(args: argparse.Namespace, engine: Any, loader: Any, val: list[Batch]) -> None:
     rank0 = engine.global_rank == 0
     tokens_per_step = engine.train_batch_size() * args.seq_len  # all ranks, all micro-batches
-    bar = tqdm(total=args.steps, initial=engine.global_steps, disable=not rank0, unit="step", dynamic_ncols=True)
     batches = RepeatingLoader(loader)
     train_seconds, last_step = 0.0, engine.global_steps
-    while engine.global_steps < args.steps:
-        start = time.perf_counter()
-        input_ids, labels = (t.to(engine.device) for t in next(batches))
-        loss = engine(input_ids, labels)
-        engine.backward(loss)
-        engine.step()
-        train_seconds += time.perf_counter() - start
-        if engine.global_steps == last_step:
-            continue  # inside a gradient-accumulation window: no optimizer step yet
-        last_step = engine.global_steps
-        rate = (last_step * tokens_per_step) / train_seconds
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:,.0f}", lr=f"{engine.get_lr()[0]:.2e}",
-                        refresh=False)
-        bar.update(1)
-        if last_step % args.eval_interval == 0 or last_step == args.steps:
-            val_loss = evaluate(engine, val)
-            if rank0:
+    # shardwise's own step lines print above the bar, so they do not break it.
+    with StepBar(args.steps, initial=engine.global_steps, enabled=rank0) as bar:
+        while engine.global_steps < args.steps:
+            start = time.perf_counter()
+            input_ids, labels = (t.to(engine.device) for t in next(batches))
+            loss = engine(input_ids, labels)
+            engine.backward(loss)
+            engine.step()
+            train_seconds += time.perf_counter() - start
+            if engine.global_steps == last_step:
+                continue  # inside a gradient-accumulation window: no optimizer step yet
+            last_step = engine.global_steps
+            rate = (last_step * tokens_per_step) / train_seconds
+            bar.update(loss=f"{loss.item():.3f}", tok_s=f"{rate:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
+            if last_step % args.eval_interval == 0 or last_step == args.steps:
+                val_loss = evaluate(engine, val)
                 bar.write(f"step {last_step:>5}: validation loss {val_loss:.3f}")
-    bar.close()
 
 
 def sample(engine: Any, prompt: str, n_bytes: int) -> str:
@@ -136,9 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.preset}: {model.num_parameters():,} parameters, {engine.world_size} process(es), "
               f"{engine.train_batch_size()} sequences of {args.seq_len} bytes per step, {args.steps} steps")
     val = validation_batches(args.seq_len, engine.train_micro_batch_size_per_gpu(), args.eval_batches)
-    # shardwise's own step lines go through tqdm.write so they do not break the progress bar.
-    with logging_redirect_tqdm(loggers=[logging.root, logging.getLogger("shardwise")]):
-        train(args, engine, loader, val)
+    train(args, engine, loader, val)
     tag = f"global_step{engine.global_steps}"
     engine.save_checkpoint(args.save_dir, tag=tag)
     text = sample(engine, args.prompt, args.sample_bytes)

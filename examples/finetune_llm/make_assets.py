@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -177,22 +178,24 @@ def write_base(out: Path, seed: int, pretrain_steps: int) -> None:
 
 def _pretrain(model: object, ids: object, steps: int, seq_len: int, batch: int) -> None:
     import torch
-    from tqdm import tqdm
+
+    sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for examples.step_bar
+    from examples.step_bar import StepBar
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / steps))
     generator = torch.Generator().manual_seed(0)
-    bar = tqdm(range(steps), desc="pretraining the base on KJV text", unit="step")
-    for _ in bar:
-        starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=generator)
-        window = torch.stack([ids[i:i + seq_len] for i in starts.tolist()])
-        loss = model(input_ids=window, labels=window).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    with StepBar(steps, description="pretraining the base on KJV text") as bar:
+        for _ in range(steps):
+            starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=generator)
+            window = torch.stack([ids[i:i + seq_len] for i in starts.tolist()])
+            loss = model(input_ids=window, labels=window).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            bar.update(loss=f"{loss.item():.3f}")
 
 
 def main() -> None:

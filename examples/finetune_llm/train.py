@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import sys
 import time
@@ -32,12 +31,11 @@ if str(REPO_ROOT) not in sys.path:  # run as a path (python examples/finetune_ll
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 import shardwise as deepspeed  # noqa: E402
 from examples.finetune_llm import data as sft  # noqa: E402
 from examples.finetune_llm import model_io  # noqa: E402
+from examples.step_bar import StepBar  # noqa: E402
 from shardwise.config import parse_config  # noqa: E402
 from shardwise.runtime.activation_checkpointing import Checkpointer, use_hf_layers  # noqa: E402
 from shardwise.runtime.data import RepeatingLoader, move_to_device  # noqa: E402
@@ -207,26 +205,23 @@ def next_batch(batches: Any) -> Batch:
 def train(args: argparse.Namespace, engine: Any, loader: Any, eval_batches: list[Batch]) -> list[float]:
     """Steps up to --steps; returns each step's training loss."""
     rank0 = engine.global_rank == 0
-    bar = tqdm(total=args.steps, initial=engine.global_steps, disable=not rank0, unit="step", dynamic_ncols=True)
     batches = RepeatingLoader(loader)  # made after a resume has positioned the loader
     seconds, tokens, losses = 0.0, 0, []
-    while engine.global_steps < args.steps:
-        start = time.perf_counter()
-        loss, step_tokens = train_step(engine, [next_batch(batches) for _ in range(engine.gradient_accumulation_steps())])
-        seconds += time.perf_counter() - start
-        tokens += step_tokens
-        losses.append(loss)
-        step = engine.global_steps
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / seconds:,.0f}", lr=f"{engine.get_lr()[0]:.2e}",
-                        refresh=False)
-        bar.update(1)
-        if (args.eval_interval and step % args.eval_interval == 0) or step == args.steps:
-            eval_loss, ppl = evaluate(engine, eval_batches)
-            if rank0:
+    # shardwise's own step lines print above the bar, so they do not break it.
+    with StepBar(args.steps, initial=engine.global_steps, enabled=rank0) as bar:
+        while engine.global_steps < args.steps:
+            start = time.perf_counter()
+            loss, step_tokens = train_step(engine, [next_batch(batches) for _ in range(engine.gradient_accumulation_steps())])
+            seconds += time.perf_counter() - start
+            tokens += step_tokens
+            losses.append(loss)
+            step = engine.global_steps
+            bar.update(loss=f"{loss:.3f}", tok_s=f"{tokens / seconds:,.0f}", lr=f"{engine.get_lr()[0]:.2e}")
+            if (args.eval_interval and step % args.eval_interval == 0) or step == args.steps:
+                eval_loss, ppl = evaluate(engine, eval_batches)
                 bar.write(f"step {step:>5}: held-out loss {eval_loss:.3f}, perplexity {ppl:.2f}")
-        if args.save_interval and step % args.save_interval == 0:
-            engine.save_checkpoint(args.save_dir, tag=f"global_step{step}")
-    bar.close()
+            if args.save_interval and step % args.save_interval == 0:
+                engine.save_checkpoint(args.save_dir, tag=f"global_step{step}")
     return losses
 
 
@@ -274,8 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.mode} fine-tuning of {args.model}: {n_trainable:,} trainable parameters of "
               f"{model_io.stored_numel(args.model):,}, {len(train_set)} training sequences, {engine.world_size} "
               f"process(es), ZeRO stage {engine.config.zero_optimization.stage}, {args.steps} steps")
-    with logging_redirect_tqdm(loggers=[logging.root, logging.getLogger("shardwise")]):
-        train(args, engine, loader, eval_batches)
+    train(args, engine, loader, eval_batches)
     finish(args, engine, tokenizer, eval_pairs)
     dist.destroy_process_group()
 
