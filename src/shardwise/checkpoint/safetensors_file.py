@@ -18,11 +18,34 @@ import torch
 
 from .errors import CheckpointError
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+# The safetensors format's dtype names -> torch dtypes: the one table the reader and the writer share.
+# Every dtype the format defines that torch has (F6_E2M3 and F6_E3M2 have no torch dtype).
+DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2, "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
 }
+NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+# [Note: packed F4] A safetensors header counts F4 values (4 bits each); torch's float4_e2m1fn_x2 packs two
+# of them in one element, along the last dimension. So an F4 tensor's header shape has a last dimension
+# twice the torch tensor's, and must have an even one. Every other dtype has one value per element.
+_VALUES_PER_ELEMENT = {"F4": 2}
+
+
+def _torch_shape(name: str, shape: list[int]) -> list[int]:
+    per = _VALUES_PER_ELEMENT.get(name, 1)
+    return shape if per == 1 else [*shape[:-1], shape[-1] // per]
+
+
+def _file_shape(name: str, shape: tuple[int, ...]) -> list[int]:
+    per = _VALUES_PER_ELEMENT.get(name, 1)
+    return list(shape) if per == 1 else [*shape[:-1], shape[-1] * per]
 
 
 class SafetensorsFile:
@@ -80,7 +103,7 @@ class SafetensorsFile:
 
     def get_tensor(self, key: str) -> torch.Tensor:
         entry = self._entry(key)
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = DTYPES[entry["dtype"]]
         begin, end = entry["data_offsets"]
         return self._read(begin, end - begin, dtype).view(entry["shape"])
 
@@ -91,7 +114,7 @@ class SafetensorsFile:
         if not 0 <= lo <= hi <= numel:
             raise CheckpointError(f"{self.path}: tensor {key!r} has {numel} elements (shape {tuple(entry['shape'])}); "
                                   f"elements [{lo}, {hi}) were asked for. The manifest does not describe this file.")
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = DTYPES[entry["dtype"]]
         size = torch.empty((), dtype=dtype).element_size()
         begin = entry["data_offsets"][0]
         return self._read(begin + lo * size, (hi - lo) * size, dtype)
@@ -124,21 +147,25 @@ def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, Any], dict[
         problem = _entry_problem(entry, data_bytes)
         if problem:
             raise refuse(f"tensor {key!r} {problem}")
+        entry["shape"] = _torch_shape(entry["dtype"], entry["shape"])  # from here on, the torch tensor's shape
     return header, metadata, 8 + length
 
 
 def _entry_problem(entry: Any, data_bytes: int) -> str | None:
-    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
         return f"has no known dtype ({entry!r:.80})"
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    name, shape, offsets = entry["dtype"], entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         return f"has shape {shape!r:.80}, not a list of sizes"
+    per = _VALUES_PER_ELEMENT.get(name, 1)  # [Note: packed F4]
+    if per > 1 and (not shape or shape[-1] % per):
+        return f"has shape {tuple(shape)} of {name}, whose last dimension (4-bit values, two per byte) must be even"
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_bytes):
         return f"has byte range {offsets!r:.80}, outside the {data_bytes} data bytes"
-    nbytes = _numel(shape) * torch.empty((), dtype=_DTYPES[entry["dtype"]]).element_size()
+    nbytes = _numel(_torch_shape(name, shape)) * torch.empty((), dtype=DTYPES[name]).element_size()
     if offsets[1] - offsets[0] != nbytes:
-        return f"has shape {tuple(shape)} of {entry['dtype']} ({nbytes} bytes) but a {offsets[1] - offsets[0]}-byte range"
+        return f"has shape {tuple(shape)} of {name} ({nbytes} bytes) but a {offsets[1] - offsets[0]}-byte range"
     return None
 
 
@@ -147,9 +174,6 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         numel *= d
     return numel
-
-
-_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class SafetensorsWriter:
@@ -166,7 +190,11 @@ class SafetensorsWriter:
             for d in shape:
                 numel *= d
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            if dtype not in NAMES:
+                raise ValueError(f"safetensors writer: tensor {name!r} needs a dtype the safetensors format defines; "
+                                 f"got {dtype}. Cast it to one of {', '.join(map(str, NAMES))}.")
+            header[name] = {"dtype": NAMES[dtype], "shape": _file_shape(NAMES[dtype], shape),
+                            "data_offsets": [offset, offset + nbytes]}
             self._order.append((name, dtype, nbytes))
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
