@@ -1,7 +1,8 @@
 """Config: the typed sections and the one parser of raw JSON/dict configs."""
 
 from .errors import ConfigError
-from .parse import config_json_schema, parse_config
+from .parse import parse_config
+from .schema import config_json_schema
 from .sections import BF16Config, Config, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 
 __all__ = [

@@ -28,6 +28,12 @@ def resolve_auto(raw: dict[str, Any], problems: list[str]) -> list[str]:
     return dropped
 
 
+def accepts_auto(path: str) -> bool:
+    """Whether "auto" at the dotted key `path` is accepted (derived, defaulted or ignored), as `resolve_auto`
+    decides. The config's JSON schema (`schema.py`) allows "auto" there, and where it is a value in its own right."""
+    return _verdict(path) == "drop"
+
+
 def _walk(node: dict[str, Any], prefix: str, dropped: list[str], refused: list[str]) -> None:
     for key in list(node):
         path, value = prefix + key, node[key]

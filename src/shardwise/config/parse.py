@@ -75,11 +75,6 @@ def parse_config(config: str | Path | Mapping[str, Any], dp_size: int = 1) -> Co
     return cfg
 
 
-def config_json_schema() -> dict[str, Any]:
-    """JSON schema of the config, for editors."""
-    return Config.model_json_schema()
-
-
 def _check_data_parallel_size(raw: dict[str, Any], dp_size: int, problems: list[str]) -> None:
     given = raw.pop("data_parallel_size", None)
     if given is not None and given != dp_size:

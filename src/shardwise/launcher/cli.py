@@ -39,13 +39,14 @@ def _plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
-def _launcher_tool(module: str) -> Callable[[list[str]], int]:
-    """A subcommand implemented by ``shardwise.launcher.<module>.main``, imported only when run."""
+def _tool(module: str) -> Callable[[list[str]], int]:
+    """A subcommand implemented by ``<module>.main(argv)``, imported by name only when run: the launcher
+    depends on none of the tools it lists (``shardwise.zero``, for one, sits above it)."""
 
     def run(argv: list[str]) -> int:
         import importlib
 
-        return int(importlib.import_module(f"shardwise.launcher.{module}").main(argv))
+        return int(importlib.import_module(module).main(argv) or 0)
 
     return run
 
@@ -58,11 +59,13 @@ def _checkpoint(argv: list[str]) -> int:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
+    "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)",
+                         _tool("shardwise.config.cli")),
     "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
-    "report": Subcommand("versions, devices and which optional pieces work here", _launcher_tool("report")),
+    "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
     "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
-                             _launcher_tool("check_comm")),
-    "k8s": Subcommand("write a Kubeflow PyTorchJob manifest for this training", _launcher_tool("k8s")),
+                             _tool("shardwise.launcher.check_comm")),
+    "k8s": Subcommand("write a Kubeflow PyTorchJob manifest for this training", _tool("shardwise.launcher.k8s")),
 }
 
 
