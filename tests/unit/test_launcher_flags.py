@@ -210,6 +210,26 @@ def test_check_comm_help_is_its_own(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--hostfile FILE" not in out  # the launcher's own help is `shardwise --help`
 
 
+def test_shardwise_estimate_is_the_module_entry_point_under_its_own_name(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    from shardwise.zero import estimate
+
+    args = ["--params", "1.3e9", "--num_gpus", "8", "--offload"]
+    assert cli.main(["estimate", *args]) == 0
+    by_subcommand = capsys.readouterr().out
+    estimate.main(args)
+    assert by_subcommand == capsys.readouterr().out and by_subcommand.count("\nstage ") == 3  # stages 0-3
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--help"])
+    assert capsys.readouterr().out.startswith("usage: shardwise estimate [-h] --params PARAMS")
+    module = subprocess.run([sys.executable, "-m", "shardwise.zero.estimate", *args], capture_output=True, text=True)
+    assert module.returncode == 0 and module.stdout == by_subcommand
+    module_help = subprocess.run([sys.executable, "-m", "shardwise.zero.estimate", "--help"], capture_output=True, text=True)
+    assert module_help.stdout.startswith("usage: python -m shardwise.zero.estimate")
+
+
 def test_deepspeed_entry_point_calls_itself_deepspeed(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.deepspeed_main(["--help"])

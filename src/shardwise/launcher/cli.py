@@ -39,14 +39,14 @@ def _plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
-def _tool(module: str) -> Callable[[list[str]], int]:
-    """A subcommand implemented by ``<module>.main(argv)``, imported by name only when run: the launcher
-    depends on none of the tools it lists (``shardwise.zero``, for one, sits above it)."""
+def _tool(module: str, **kwargs: str) -> Callable[[list[str]], int]:
+    """A subcommand implemented by ``<module>.main(argv, **kwargs)``, imported by name only when run: the
+    launcher depends on none of the tools it lists (``shardwise.zero``, for one, sits above it)."""
 
     def run(argv: list[str]) -> int:
         import importlib
 
-        return int(importlib.import_module(module).main(argv) or 0)
+        return int(importlib.import_module(module).main(argv, **kwargs) or 0)
 
     return run
 
@@ -61,6 +61,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
     "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)",
                          _tool("shardwise.config.cli")),
+    "estimate": Subcommand("model-state memory per rank at each ZeRO stage (--params 1.3e9 --num_gpus 8)",
+                           _tool("shardwise.zero.estimate", prog="shardwise estimate")),
     "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
     "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
     "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
