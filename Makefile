@@ -1,7 +1,19 @@
 # The two set-up commands: `make demo` and `make test`. Each creates .venv and installs on first use.
 PYTHON ?= python3
-# The CPU build of torch; on a GPU machine set TORCH_SPEC to the build you need (e.g. TORCH_SPEC=torch).
-TORCH_SPEC ?= torch==2.13.0
+# torch: the CPU build by default. Pip first looks where it is configured to (its find-links and indexes: a local
+# CPU wheel, as on CI, installs without the network; PyPI has no "+cpu" builds, so elsewhere this fails at once),
+# then in PyPI's place PyTorch's CPU index. For a CUDA build name both, e.g.
+#   make install TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# (PyPI's Linux torch is a CUDA build too: TORCH_INDEX=https://pypi.org/simple). With another index than the CPU
+# one, pip goes there directly, so a local CPU wheel never stands in for the build asked for.
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(TORCH_CPU_INDEX)
+PIP_FLAGS := -q --disable-pip-version-check
+# $(call install_torch,<venv>/bin/pip)
+torch_from_index = $(1) install $(PIP_FLAGS) --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"
+install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(1) install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>/dev/null \
+	|| { echo "$(TORCH_SPEC): not where pip looks by default; installing it from $(TORCH_INDEX)"; $(call torch_from_index,$(1)); },$(call torch_from_index,$(1)))
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -17,7 +29,7 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
 $(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(call install_torch,$(BIN)/pip)
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e ./compat/deepspeed
 	touch $@
@@ -38,7 +50,7 @@ test: $(STAMP)
 # The same transformers/peft/accelerate as .venv, with the real DeepSpeed instead of the compat package.
 $(DS_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(DS_VENV)
-	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(call install_torch,$(DS_VENV)/bin/pip)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
 		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy)==')
 	touch $@
