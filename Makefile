@@ -1,8 +1,8 @@
 # The two set-up commands: `make demo` and `make test`. Each creates .venv and installs on first use.
 PYTHON ?= python3
 # torch: the CPU build by default. Pip first looks where it is configured to (its find-links and indexes: a local
-# CPU wheel, as on CI, installs without the network; PyPI has no "+cpu" builds, so elsewhere this fails at once),
-# then in PyPI's place PyTorch's CPU index. For a CUDA build name both, e.g.
+# CPU wheel, as on CI, is used as it is; PyPI has no "+cpu" builds, so elsewhere this fails within a second), then
+# in PyTorch's CPU index. For a CUDA build name both, e.g.
 #   make install TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu130
 # (PyPI's Linux torch is a CUDA build too: TORCH_INDEX=https://pypi.org/simple). With another index than the CPU
 # one, pip goes there directly, so a local CPU wheel never stands in for the build asked for.
