@@ -67,7 +67,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
     "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
                              _tool("shardwise.launcher.check_comm")),
-    "k8s": Subcommand("write a Kubeflow PyTorchJob manifest for this training", _tool("shardwise.launcher.k8s")),
+    "k8s": Subcommand("write a Kubeflow PyTorchJob (or Trainer v2 TrainJob) manifest for this training",
+                      _tool("shardwise.launcher.k8s")),
 }
 
 
