@@ -131,17 +131,18 @@ def _spellings(root: Schema) -> None:
     root.pop("required", None)  # the batch triangle: any one of train/micro gives the others
     root["anyOf"] = [{"required": [key]} for key in BATCH_KEYS[:2]]
     for key in BATCH_KEYS:
-        props[key] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "description": ds.TABLE[key].reason}
+        props[key] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+                      "description": ds.TABLE[key].reason}
     props["steps_per_print"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
                                 "description": ds.TABLE["steps_per_print"].reason}
     props["communication_data_type"]["anyOf"][0] = _any_case(["fp32", "fp16", "bf16"])
     dtype = _any_case(sorted(DTYPE_NAMES))
-    for path in ("torch_autocast.dtype", "data_types.grad_accum_dtype", "data_types.param_dtype", "data_types.buffer_dtype"):
-        node = _at(root, path)
-        node["anyOf"][0] = dtype
+    for path in ("torch_autocast.dtype", *(f"data_types.{key}_dtype" for key in ("grad_accum", "param", "buffer"))):
+        _at(root, path)["anyOf"][0] = dtype
     zero = props["zero_optimization"]
     zero["properties"]["overlap_comm"]["type"] = ["boolean", "null"]
-    props["zero_optimization"] = {"anyOf": [zero, {"type": "boolean"}], "description": ds.TABLE["zero_optimization"].reason}
+    props["zero_optimization"] = {"anyOf": [zero, {"type": "boolean"}],
+                                  "description": ds.TABLE["zero_optimization"].reason}
     props["checkpoint"]["properties"]["tag_validation"] = _any_case(["Ignore", "Warn", "Fail"])
     prof_ops = props["comms_logger"]["properties"]["prof_ops"]["items"]
     prof_ops["enum"] = [*prof_ops["enum"], *OP_ALIASES]
@@ -159,7 +160,8 @@ def _offload_param_below_stage3(zero: Schema) -> None:
 
 
 def _optimizer_names() -> Schema:
-    torch_names = sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer))
+    torch_names = sorted(n for n, c in vars(torch.optim).items()
+                         if isinstance(c, type) and issubclass(c, torch.optim.Optimizer))
     return {"anyOf": [_any_case(list(OPTIMIZER_NAMES)), {"enum": torch_names}],
             "description": "one of DeepSpeed's names (any case) or a torch.optim class name (exact case)"}
 
