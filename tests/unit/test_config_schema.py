@@ -20,7 +20,7 @@ from tests.json_schema import errors, unknown_keywords
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-from deepspeed_config_keys import _merge, build_config  # noqa: E402 - the catalogue's own config builder
+from deepspeed_config_keys import build_config  # noqa: E402 - the catalogue's own config builder
 
 KEYS: dict[str, dict[str, Any]] = json.loads((REPO / "tests" / "data" / "deepspeed_0_19_8_config_keys.json").read_text())["keys"]
 SCHEMA = config_json_schema()
@@ -69,8 +69,11 @@ def _catalogue_configs() -> list[tuple[str, dict[str, Any]]]:
 
 
 def _merged(config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`config` with `extra`'s keys set, section by section."""
     out = copy.deepcopy(config)
-    _merge(out, copy.deepcopy(extra))
+    for key, value in extra.items():
+        both_sections = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both_sections else copy.deepcopy(value)
     return out
 
 
