@@ -294,6 +294,33 @@ class GradBuckets:
         self._hooks.clear()
 
 
+class BucketedGrads:
+    """The gradient half of `ShardingStrategy` for a strategy whose gradients live in `self.buckets`
+    (every ZeRO stage): each method is the one home of its logic in `GradBuckets` or the reducer."""
+
+    buckets: GradBuckets
+
+    def finish_backward(self) -> None:
+        self.buckets.finish()
+
+    def loose_param_grads(self) -> int:
+        return self.buckets.loose_grads()
+
+    def adopt_param_grads(self, scale: float) -> int:
+        """At stage 3 a released parameter's gradient keeps its full shape: it goes into the unit's slots
+        like any other."""
+        return self.buckets.adopt(scale)
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.buckets.grad_norm()
+
+    def scale_grads(self, factor: float) -> None:
+        torch._foreach_mul_(self.buckets.shard_grads(), factor)
+
+    def zero_grads(self) -> None:
+        self.buckets.zero()
+
+
 def plan_grad_buckets(params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,
                       rank: int = 0, world: int = 1, partitioned: bool = False) -> list[Bucket]:
     """Buckets over `params` of at most `bucket_numel` elements, each padded for `world` ranks, with

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocols import ModelStateTensors, ParamGroups, StateSlot, StrategyInputs
-from .grad_buckets import GradBuckets
+from .grad_buckets import BucketedGrads, GradBuckets
 from .reducers import AllReduceMean, GradAveraging
 
 
@@ -42,7 +42,7 @@ def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamG
     return mapped
 
 
-class DataParallel:
+class DataParallel(BucketedGrads):
     reduces_every_micro_step = False
     swaps_to_disk = False
 
@@ -69,21 +69,6 @@ class DataParallel:
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(reduce)
 
-    def finish_backward(self) -> None:
-        self.buckets.finish()
-
-    def loose_param_grads(self) -> int:
-        return self.buckets.loose_grads()
-
-    def adopt_param_grads(self, scale: float) -> int:
-        return self.buckets.adopt(scale)
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.buckets.grad_norm()
-
-    def scale_grads(self, factor: float) -> None:
-        torch._foreach_mul_(self.buckets.shard_grads(), factor)
-
     def optimizer_step(self) -> None:
         for master, view in zip(self.masters, self._grad_views):
             master.grad = view if view.dtype == master.dtype else view.to(master.dtype)
@@ -96,9 +81,6 @@ class DataParallel:
 
     def sync_params(self) -> None:
         """Nothing to gather: every rank already holds what it stepped (stage 0), or gathers on use (stage 3)."""
-
-    def zero_grads(self) -> None:
-        self.buckets.zero()
 
     def explain_forward_error(self, error: BaseException) -> str | None:
         return None  # the module holds its whole parameters: nothing of ours can be the cause

@@ -27,12 +27,12 @@ import torch
 from ..offload import make_optimizer_offload
 from ..protocols import ModelStateTensors, StateSlot, StrategyInputs
 from .flat_param import BucketLayout
-from .grad_buckets import Bucket, GradBuckets, plan_grad_buckets
+from .grad_buckets import Bucket, BucketedGrads, GradBuckets, plan_grad_buckets
 from .reducers import GradAveraging, ReduceScatterMean
 from .stage0 import trainable_parameters, whole_state_dict
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(BucketedGrads):
     def __init__(self, inputs: StrategyInputs, stage: int):
         self.module, self.precision, self.group, self.comm = inputs.module, inputs.precision, inputs.dp_group, inputs.comm
         self.stage = stage
@@ -83,21 +83,6 @@ class ShardedDataParallel:
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(reduce or self.reduces_every_micro_step)
 
-    def finish_backward(self) -> None:
-        self.buckets.finish()
-
-    def loose_param_grads(self) -> int:
-        return self.buckets.loose_grads()
-
-    def adopt_param_grads(self, scale: float) -> int:
-        return self.buckets.adopt(scale)
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.buckets.grad_norm()
-
-    def scale_grads(self, factor: float) -> None:
-        torch._foreach_mul_(self.buckets.shard_grads(), factor)
-
     def optimizer_step(self) -> None:
         self.offload.step(self.optimizer, list(self.masters), self.buckets.shard_grads(), self._write_back)
 
@@ -118,9 +103,6 @@ class ShardedDataParallel:
             pending.append(self.comm.all_gather(flat, flat[lo:hi], self.group))
         for p in pending:
             p.wait()
-
-    def zero_grads(self) -> None:
-        self.buckets.zero()
 
     def explain_forward_error(self, error: BaseException) -> str | None:
         return None  # the module's parameters are whole views into the flat buffers: nothing of ours can be the cause

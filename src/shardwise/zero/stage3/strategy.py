@@ -22,7 +22,7 @@ import torch
 
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, StateSlot, StrategyInputs
-from ..grad_buckets import Bucket, GradBuckets
+from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
 from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
@@ -31,7 +31,7 @@ from .state_dict import LocalStateDict, consolidated_state_dict
 from .unit import LiveParams, ParamUnit
 
 
-class Stage3:
+class Stage3(BucketedGrads):
     reduces_every_micro_step = True
 
     def __init__(self, inputs: StrategyInputs):
@@ -95,19 +95,6 @@ class Stage3:
         for unit in self.units:
             unit.release()
 
-    def loose_param_grads(self) -> int:
-        return self.buckets.loose_grads()
-
-    def adopt_param_grads(self, scale: float) -> int:
-        """A released parameter's gradient keeps its full shape: it goes into the unit's slots like any other."""
-        return self.buckets.adopt(scale)
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.buckets.grad_norm()
-
-    def scale_grads(self, factor: float) -> None:
-        torch._foreach_mul_(self.buckets.shard_grads(), factor)
-
     def optimizer_step(self) -> None:
         grads = {id(u): b.shard_grad for b, u in zip(self.buckets.buckets, self._bucket_unit)}
         with torch.no_grad():
@@ -119,9 +106,6 @@ class Stage3:
 
     def sync_params(self) -> None:
         """Nothing to gather: every rank already holds what it stepped (stage 0), or gathers on use (stage 3)."""
-
-    def zero_grads(self) -> None:
-        self.buckets.zero()
 
     def explain_forward_error(self, error: BaseException) -> str | None:
         """The error with an explanation when the failing forward held parameters that were partitioned (the
