@@ -17,9 +17,10 @@ _PUBLIC = {
     "add_config_arguments": ".arguments",
     "ConfigError": ".config.errors",
     "Engine": ".runtime.engine",
+    "PipelineEngine": ".runtime.pipe_engine",
 }
 
-_SUBMODULES = ("zero",)
+_SUBMODULES = ("pipe", "zero")
 
 __all__ = ["__version__", *_PUBLIC, *_SUBMODULES]
 

@@ -23,7 +23,9 @@ from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
 from .protocols import MakeOptimizer, ParamGroups, StrategyInputs
 from .runtime.data import DistributedLoader
+from .pipeline.module import PipelineModule
 from .runtime.engine import Engine
+from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
 from .zero.factory import make_strategy
 
@@ -57,7 +59,9 @@ def initialize(
     raw = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     ensure_console_handler()
-    cfg = parse_config(raw, dp_size=dist.get_world_size())
+    pipe = model.num_stages if isinstance(model, PipelineModule) else 1
+    cfg = parse_config(raw, dp_size=dist.get_world_size() // pipe)
+    _check_pipeline(cfg, model)
     groups = _param_groups(optimizer, model_parameters, model)
     check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
     make_optimizer = _optimizer_factory(optimizer, cfg)
@@ -68,8 +72,9 @@ def initialize(
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = accelerator.device_for(local_rank)
     check_autocast(cfg.torch_autocast, device)
-    check_ranks_agree(cfg, model, groups, device)  # before any collective that would hang on a difference
-    topology = Topology(device.type)
+    # before any collective that would hang on a difference
+    check_ranks_agree(cfg, model, groups, device, model.describe() if pipe > 1 else None)
+    topology = Topology(device.type, pipe=pipe)
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
     model.to(device)
     _broadcast_module(model, topology.data, comm)
@@ -81,7 +86,8 @@ def initialize(
         aio=cfg.aio,
     ))
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
-    engine = Engine(cfg, topology, strategy, precision, comm, scheduler, device, local_rank)
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
+    engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank)
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
@@ -89,6 +95,19 @@ def initialize(
                                    drop_last=cfg.dataloader_drop_last)
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
+
+
+def _check_pipeline(cfg: Config, model: torch.nn.Module) -> None:
+    stages = cfg.pipeline.stages
+    if not isinstance(model, PipelineModule):
+        if stages not in ("auto", 1):
+            raise ConfigError([f"pipeline.stages: {stages} pipeline stages need a PipelineModule model; got a "
+                               f"{type(model).__name__}. Build the model as shardwise.pipe.PipelineModule(layers, "
+                               "num_stages=...) or remove the key."])
+        return
+    if stages != "auto" and stages != model.num_stages:
+        raise ConfigError([f"pipeline.stages: {stages} differs from the PipelineModule's num_stages "
+                           f"({model.num_stages}); make them equal or set \"auto\"."])
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

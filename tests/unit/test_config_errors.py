@@ -41,8 +41,10 @@ CASES = [
      'train_micro_batch_size_per_gpu: a whole number of samples, at least 1, is required; got "four" (a string). '
      "Write a number, e.g. 8."),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu: must be at least 1; got 0."),
-    ({**BASE, "pipeline": {"stages": 2}},
-     "pipeline: a DeepSpeed setting that shardwise does not implement yet"),
+    ({**BASE, "pipeline": {"schedule": "zb"}},
+     "pipeline.schedule: must be one of 1f1b, gpipe, interleaved_1f1b; got 'zb'."),
+    ({**BASE, "pipeline": {"stages": 0}},
+     'pipeline.stages: a positive number of stages or "auto" is required; got 0.'),
     ({**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3; got stage 0. Set zero_optimization.stage."),
     ({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},

@@ -66,7 +66,7 @@ REMOVED = "removed from DeepSpeed 0.19.8 too (it refuses the key); kept here for
 SPEED = "a speed knob"
 STAGE3_UNITS = ("stage 3 gathers one module's parameters at a time (its unit) as the module runs, with "
                 "prefetch and live-parameter limits; there is no per-parameter or per-module fetch to tune")
-NO_PIPELINE = "only used with pipeline parallelism, which shardwise refuses"
+NO_PIPELINE = "DeepSpeed reads it when loading pipeline checkpoints under ZeRO; shardwise checkpoints load by parameter name at any layout"
 NO_MOE = "only used with expert parallelism, which shardwise refuses"
 NO_DEEPCOMPILE = "configures DeepCompile passes; `compile.deepcompile` (refused) turns them on"
 
@@ -182,7 +182,7 @@ TABLE: dict[str, Treatment] = {
     "checkpoint.use_node_local_storage": noop("every rank already writes only its own file"),
     "checkpoint.load_universal": noop("shardwise checkpoints already load at any world size and stage, which is what universal checkpoints are for; they are read in shardwise's own format"),
     "checkpoint.checkpoint_serialization": noop("checkpoints are safetensors files, not torch.save zip files"),
-    "checkpoint.parallel_write.*": noop(NO_PIPELINE),
+    "checkpoint.parallel_write.*": noop("every rank, of every pipeline stage, already writes its own file in parallel"),
     "checkpoint.writer.*": noop("DeepSpeed's fast-writer I/O tuning; shardwise writes safetensors (checkpoint.async_save writes in the background)"),
     "datastates_ckpt": noop("the DataStates asynchronous checkpoint engine; checkpoint.async_save does background saves here"),
     "nebula": refused(REMOVED),
@@ -204,8 +204,16 @@ TABLE: dict[str, Treatment] = {
     "autotuning.*": warned("configures DeepSpeed's `--autotuning` launcher runs, which shardwise does not have"),
     # --- activation checkpointing -----------------------------------------------------------------
     "activation_checkpointing.*": impl("how shardwise.runtime.activation_checkpointing.checkpoint recomputes"),
+    # --- pipeline parallelism (a PipelineModule) -------------------------------------------------------
+    "pipeline.*": impl("how a PipelineModule trains: train_batch / eval_batch"),
+    "pipeline.stages": impl("checked against the PipelineModule's num_stages (\"auto\": whatever it has)", DEFAULT),
+    "pipeline.use_reentrant": noop("the PipelineModule's activation checkpointing is non-reentrant whatever the value; the gradients are the same"),
+    "pipeline.partition": noop("the PipelineModule's partition_method decides how layers split"),
+    "pipeline.seed_layers": noop("the PipelineModule's seed_layers argument decides"),
+    "pipeline.activation_checkpoint_interval": noop("the PipelineModule's activation_checkpoint_interval argument decides"),
+    "pipeline.pipe_partitioned": noop("splits activations sent between stages across tensor-parallel ranks; shardwise's pipeline has no tensor parallelism yet"),
+    "pipeline.grad_partitioned": noop("splits gradients sent between stages across tensor-parallel ranks; shardwise's pipeline has no tensor parallelism yet"),
     # --- features shardwise does not have -------------------------------------------------------------
-    "pipeline.*": refused("pipeline parallelism"),
     "tensor_parallel.*": refused("AutoTP tensor-parallel training (on when autotp_size > 0; the other keys act only with it or in inference)", UNLESS_AUTOTP),
     "expert_parallel.*": refused("AutoEP expert parallelism", UNLESS_ENABLED),
     "use_data_before_expert_parallelism": noop(NO_MOE),

@@ -20,7 +20,7 @@ from .training import OptimizerConfig, SchedulerConfig
 from .raw_view import RawConfigView
 
 __all__ = ["ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "Config", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
-           "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "Section", "TorchAutocastConfig", "ZeroConfig"]
+           "OffloadParamConfig", "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "Section", "TorchAutocastConfig", "ZeroConfig"]
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -140,6 +140,29 @@ class ActivationCheckpointingConfig(Section):
     profile: bool = False
 
 
+class PipelineConfig(Section):
+    """`pipeline`: how a `PipelineModule` trains (the module itself says how it is split)."""
+
+    stages: int | Literal["auto"] = "auto"
+    """Checked against the PipelineModule's num_stages ("auto": whatever it has)."""
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = Field(0, ge=0)
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    use_reentrant: bool = True
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """(shardwise) The order stages run micro-batches in: 1F1B (DeepSpeed's), GPipe, or interleaved 1F1B over
+    the module's `num_chunks` (> 1) model chunks per stage."""
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _positive(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"pipeline.stages: a positive number of stages or \"auto\" is required; got {value}.")
+        return value
+
+
 class Config(Section, RawConfigView):
     """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved; `get`/`[]`/`in`
     read the raw dict as given (see `raw_view.py`)."""
@@ -192,6 +215,7 @@ class Config(Section, RawConfigView):
     checkpoint: CheckpointConfig = CheckpointConfig()
     aio: AioConfig = AioConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

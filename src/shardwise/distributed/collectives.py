@@ -230,6 +230,30 @@ class Collectives:
 
         return self._issue("all_gather", group, output_flat, per_rank)
 
+    def send(self, tensor: torch.Tensor, peer: int, group: Group, tag: int = 0) -> Pending:
+        """Post `tensor` to global rank `peer` of `group` (point to point: pipeline activations and gradients)."""
+        return self._point_to_point("send", tensor, peer, group, tag, dist.isend)
+
+    def recv(self, tensor: torch.Tensor, peer: int, group: Group, tag: int = 0) -> Pending:
+        """Receive into `tensor` what global rank `peer` of `group` sends with the same `tag`."""
+        return self._point_to_point("recv", tensor, peer, group, tag, dist.irecv)
+
+    def _point_to_point(self, op: str, tensor: torch.Tensor, peer: int, group: Group, tag: int,
+                        post: Callable[..., dist.Work]) -> Pending:
+        """Counted and bounded like a collective; a stuck one names the peer it waits on. NCCL ignores tags:
+        its sends and receives between two ranks match in the order they are posted, as the schedules post them."""
+        completed = self.stats.record(op, group.name, tensor, group.size)
+        describe = (f"[rank {dist.get_rank()}/{dist.get_world_size()}, {group.name} group] {op} of "
+                    f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
+                    f"{'to' if op == 'send' else 'from'} rank {peer} (tag {tag})")
+        gloo = dist.get_backend(group.pg) == "gloo"
+        try:
+            work = post(tensor, peer, group=group.pg, tag=tag if gloo else 0)
+        except RuntimeError as e:
+            raise CollectiveError(f"{describe} failed: {e}") from e
+        peer_state = lambda final: f"rank {peer} has not {'received it' if op == 'send' else 'sent it'}"  # noqa: E731
+        return Pending(work, describe, self.timeout, completed, self.warn_after_s, peer_state)
+
     def broadcast(self, tensor: torch.Tensor, src_rank_in_group: int, group: Group) -> Pending:
         channel = self._channel(group, tensor)
         if channel is not None:

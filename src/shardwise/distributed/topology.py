@@ -1,11 +1,14 @@
 """One named `pipe × data × tensor` mesh from which every process group comes.
 
-Only `data` > 1 is exercised so far; pipeline and tensor parallelism plug into the same mesh later
-without reshaping it. Components receive a `Group` (the narrowest piece), never the topology.
+`pipe` and `data` are exercised (pipeline × ZeRO data parallelism); tensor parallelism plugs into the same
+mesh later without reshaping it. Components receive a `Group` (the narrowest piece), never the topology.
+Ranks are laid out pipe-major, as DeepSpeed's `PipeDataParallelTopology` lays them out: global rank =
+(pipe × data + data) × tensor + tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -22,6 +25,63 @@ class Group:
     pg: dist.ProcessGroup
     size: int
     rank: int
+
+
+class ProcessTopology:
+    """Pure coordinates of a mesh (no process groups): DeepSpeed's `ProcessTopology` for scripts that pass one
+    to `PipelineModule(topology=...)` or ask it where a rank sits. The last axis varies fastest."""
+
+    def __init__(self, axes: list[str], dims: list[int]):
+        if len(axes) != len(dims) or any(not isinstance(d, int) or d < 1 for d in dims):
+            raise ValueError(f"axes {axes} and dims {dims}: one positive size per axis is required.")
+        unknown = [a for a in axes if a not in AXES]
+        if unknown:
+            raise ValueError(f"axes: only {', '.join(AXES)} exist in shardwise's mesh; got {unknown}.")
+        self.axes, self.dims = list(axes), list(dims)
+        self._coords = list(itertools.product(*(range(d) for d in dims)))
+
+    def world_size(self) -> int:
+        return len(self._coords)
+
+    def get_dim(self, axis: str) -> int:
+        return self.dims[self.axes.index(axis)] if axis in self.axes else 1
+
+    def get_axis_names(self) -> list[str]:
+        return list(self.axes)
+
+    def get_rank(self, **coords: int) -> int:
+        if set(coords) != set(self.axes):
+            raise ValueError(f"get_rank: every axis ({', '.join(self.axes)}) is required; got {sorted(coords)}.")
+        return self._coords.index(tuple(coords[a] for a in self.axes))
+
+    def get_coord(self, rank: int) -> dict[str, int]:
+        return dict(zip(self.axes, self._coords[rank]))
+
+    def filter_match(self, **coords: int) -> list[int]:
+        """The ranks whose coordinates equal `coords` on the named axes."""
+        return [r for r, c in enumerate(self._coords)
+                if all(c[self.axes.index(a)] == v for a, v in coords.items())]
+
+    def get_axis_list(self, axis: str, idx: int) -> list[int]:
+        return self.filter_match(**{axis: idx})
+
+    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
+        """Ranks that differ only along `axis`: the members of each of its groups."""
+        if axis not in self.axes:
+            return []
+        others = [a for a in self.axes if a != axis]
+        lists = {}
+        for rank, coord in enumerate(self._coords):
+            key = tuple(coord[self.axes.index(a)] for a in others)
+            lists.setdefault(key, []).append(rank)
+        return list(lists.values())
+
+
+class PipeDataParallelTopology(ProcessTopology):
+    """`num_pp` pipeline stages × `num_dp` data-parallel replicas (DeepSpeed's class of the same name)."""
+
+    def __init__(self, num_pp: int, num_dp: int):
+        super().__init__(["pipe", "data"], [num_pp, num_dp])
 
 
 class Topology:
@@ -46,3 +106,11 @@ class Topology:
     @property
     def data(self) -> Group:
         return self.group("data")
+
+    @property
+    def pipe(self) -> Group:
+        return self.group("pipe")
+
+    def pipe_peer(self, stage: int) -> int:
+        """The global rank of pipeline stage `stage` with this rank's data and tensor coordinates."""
+        return dist.get_global_rank(self.pipe.pg, stage)

@@ -164,7 +164,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if self._grads_since_step:
             self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
-                                        self.instruments.allgather)
+                                        self.instruments.allgather, self._grad_norm)
         else:
             self._last_step = StepResult(True, 0.0)  # nothing to apply: weights and optimizer state stay
             self._warn_once("no-gradients", f"engine.step(): no gradient reached the model since the last step "
@@ -188,6 +188,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
             self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale, self.get_global_grad_norm(),
         ))
         self._window_loss, self._window_tokens = 0.0, 0
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The norm over the whole model's gradients (a pipeline engine adds the other stages')."""
+        return self.strategy.grad_norm()
 
     def _adopt_param_grads(self, caller: str) -> bool:
         """Take gradients that a backward not started by engine.backward left in `param.grad`, divided by

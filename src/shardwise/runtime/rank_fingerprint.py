@@ -40,9 +40,11 @@ MODEL_FIX = "Build the same model on every rank (the same code and arguments) be
 GROUPS_FIX = "Pass every rank the same parameter groups (model_parameters= or the optimizer's param_groups)."
 
 
-def check_ranks_agree(cfg: Config, model: torch.nn.Module, groups: ParamGroups, device: torch.device) -> None:
+def check_ranks_agree(cfg: Config, model: torch.nn.Module, groups: ParamGroups, device: torch.device,
+                      pipeline: dict[str, Any] | None = None) -> None:
     """Collective over the world: raise `RankMismatchError` on every rank unless all ranks have the same
-    config, model, optimizer groups and launch (see the module docstring)."""
+    config, model, optimizer groups and launch (see the module docstring). With `pipeline` (the whole
+    pipeline's description: each stage holds other layers) that is compared instead of the parameters."""
     world = dist.get_world_size()
     if world == 1:
         return
@@ -59,6 +61,8 @@ def check_ranks_agree(cfg: Config, model: torch.nn.Module, groups: ParamGroups, 
         Section("optimizer groups", _membership(groups, names), GROUPS_FIX, label="parameter '{}'"),
         Section("optimizer group settings", _settings(groups), GROUPS_FIX),
     ]
+    if pipeline is not None:
+        sections = sections[:2] + [Section("pipeline", pipeline, MODEL_FIX), sections[-1]]
     comm = Collectives(cfg.collective_timeout_s, shm=False, warn_after_s=cfg.collective_warn_after_s)
     try:
         check_agreement(sections, comm, Group("rank-agreement", dist.group.WORLD, world, dist.get_rank()), device)

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
+import torch
+
 from ..precision import LossScaler
 from ..protocols import ShardingStrategy
 
@@ -32,9 +34,11 @@ class StepResult:
 
 
 def take_step(strategy: ShardingStrategy, scaler: LossScaler, clip: float,
-              timed_sync: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> StepResult:
+              timed_sync: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+              grad_norm: Callable[[], torch.Tensor] | None = None) -> StepResult:
+    """`grad_norm` replaces the strategy's norm where the model spans more than its ranks (pipeline stages)."""
     scale = scaler.scale
-    norm = float(strategy.grad_norm()) / scale
+    norm = float((grad_norm or strategy.grad_norm)()) / scale
     finite = math.isfinite(norm)
     scaler.update(not finite)  # a no-op without fp16's loss scaler
     if not finite:
