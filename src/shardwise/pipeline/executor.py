@@ -11,6 +11,7 @@ which one is this stage's last (`last=True`), where the data-parallel reduction 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +50,10 @@ class StageHooks(Protocol):
 
 @dataclass
 class BatchResult:
+    timeline: list[tuple[Instruction, float, float]] = field(default_factory=list)
+    """(instruction, start, end) in time.perf_counter() seconds, when the executor records them."""
+    peak_in_flight: int = 0
+    """The most micro-batches whose activations this stage held at once (1F1B: at most stages - stage)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     """The last stage's loss of each micro-batch (detached), in order; empty elsewhere."""
     last_output: Any = None
@@ -59,6 +64,8 @@ class StageExecutor:
     def __init__(self, hooks: StageHooks, link: StageLink, stage: int, stages: int, chunks: int):
         self.hooks, self.link = hooks, link
         self.stage, self.stages, self.chunks = stage, stages, chunks
+        self.record_timeline = False
+        """Time every instruction into `BatchResult.timeline` (benchmarks/pipeline_parallel.py measures the bubble)."""
 
     def run(self, instructions: Sequence[Instruction], train: bool, compute_loss: bool = True) -> BatchResult:
         batch = _Batch(train, compute_loss)
@@ -66,7 +73,10 @@ class StageExecutor:
         last_weight_op = weight_ops[-1] if weight_ops else -1
         try:
             for index, ins in enumerate(instructions):
+                start = time.perf_counter() if self.record_timeline else 0.0
                 self._execute(ins, batch, last=index == last_weight_op)
+                if self.record_timeline:
+                    batch.result.timeline.append((ins, start, time.perf_counter()))
         finally:
             self.link.wait_sends()
         return batch.result
@@ -111,6 +121,7 @@ class StageExecutor:
         inputs = batch.inputs[key] if batch.train else batch.inputs.pop(key)
         with torch.set_grad_enabled(batch.train):
             out = self.hooks.forward(inputs, chunk)
+            batch.result.peak_in_flight = max(batch.result.peak_in_flight, len(batch.inputs))
             if not self._is_last(chunk):
                 batch.outputs[key] = out
                 return

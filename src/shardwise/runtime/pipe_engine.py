@@ -60,6 +60,8 @@ class PipelineEngine(Engine):
         self.data_iterator: Iterator[Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
         self.agg_eval_loss: torch.Tensor | None = None
+        self.last_batch: BatchResult | None = None
+        """The executor's record of the last train_batch (timeline when executor.record_timeline, in-flight peak)."""
 
     # --- where this rank sits ---------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -94,7 +96,7 @@ class PipelineEngine(Engine):
         self._hooks.data = self._data(data_iter, "train_batch")
         self._hooks.aggregated = None
         self._grads_since_step = True
-        self.executor.run(self._schedule.per_stage[self.stage_id], train=True)
+        self.last_batch = self.executor.run(self._schedule.per_stage[self.stage_id], train=True)
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._hooks.aggregated
         return self.agg_train_loss
