@@ -104,7 +104,7 @@ def oracle_run(steps: int, batch: int, lr: float, clip: float = 0.0, blocks: int
                optimizer: str = "sgd") -> tuple[list[float], dict[str, torch.Tensor]]:
     model = Oracle(layer_specs(blocks, tied))
     opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8))
+           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0))
     losses = []
     for step in range(steps):
         x, y = global_batch(step, batch, tied)

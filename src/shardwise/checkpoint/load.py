@@ -28,8 +28,7 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     meta = reader.meta
     with engine.strategy.resident(), torch.no_grad():
         slots = engine.strategy.state_slots()
-        _check_names(reader, {s.name for s in slots}, {n for n, _ in engine.module.named_parameters()},
-                     load_module_strict)
+        _check_names(reader, _model_names(engine.module), load_module_strict)
         _check_shapes(reader, slots, engine.module)
         for slot in slots:
             if reader.has(slot.name):
@@ -51,7 +50,14 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     return str(reader.path), meta["client_state"]
 
 
-def _check_names(reader: CheckpointReader, held: set[str], model: set[str], strict: bool) -> None:
+def _model_names(module: torch.nn.Module) -> set[str]:
+    """The whole model's parameter names: every rank's, since a pipeline stage holds only its own layers."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(n for n, _ in module.named_parameters()))
+    return {name for names in gathered for name in names}
+
+
+def _check_names(reader: CheckpointReader, model: set[str], strict: bool) -> None:
     saved = set(reader.meta["params"])
     missing, unexpected = sorted(model - saved), sorted(saved - model)
     if strict and (missing or unexpected):

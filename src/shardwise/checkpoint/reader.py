@@ -92,11 +92,16 @@ class CheckpointReader:
         self.read_into(name, kind, 0, out.numel(), out.view(-1))
         return out
 
+    def _buffer_file(self, name: str) -> SafetensorsFile:
+        """Each pipeline stage's buffers are in its first replica's file (rank 0's in checkpoints that predate
+        `buffer_files`, which had one stage)."""
+        return self.file(self.meta.get("buffer_files", {}).get(name, layout.rank_file(0)))
+
     def buffer(self, name: str) -> torch.Tensor:
-        return self.file(layout.rank_file(0)).get_tensor(layout.buffer_key(name))
+        return self._buffer_file(name).get_tensor(layout.buffer_key(name))
 
     def buffer_shape(self, name: str) -> tuple[int, ...]:
-        return self.file(layout.rank_file(0)).shape(layout.buffer_key(name))
+        return self._buffer_file(name).shape(layout.buffer_key(name))
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], str] | None:
         name = layout.rank_file(rank)

@@ -38,6 +38,9 @@ class SaveJob:
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     records: list[dict]
+    buffers: list[tuple[str, bool]]
+    """(name, persistent) of the buffers in this rank's file: the first data-parallel replica of each pipeline
+    stage writes its stage's buffers."""
     rng_json: str
     save_latest: bool
 
@@ -69,16 +72,16 @@ def pack_job(engine: TrainingEngine, root: Path, tag: str, client_state: dict[st
     """This rank's share of the checkpoint, in host memory (copies when `copy`: the write may run later)."""
     meta = engine_meta(engine, tag, client_state)
     meta["frozen_parameters_excluded"] = exclude_frozen
+    first_replica = engine.topology.data.rank == 0
     with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
-        tensors, records = _pack(engine, include_replicated=engine.topology.data.rank == 0,
-                                 include_buffers=dist.get_rank() == 0, copy=copy or engine.strategy.swaps_to_disk,
-                                 include_frozen=not exclude_frozen)
-    meta["params_extra"] = {"buffers": [n for n, _ in engine.module.named_buffers()],
-                            "persistent_buffers": persistent_buffers(engine.module),
-                            "optimizer": _optimizer_meta(engine.optimizer)}
+        tensors, records = _pack(engine, include_replicated=first_replica, include_buffers=first_replica,
+                                 copy=copy or engine.strategy.swaps_to_disk, include_frozen=not exclude_frozen)
+    persistent = set(persistent_buffers(engine.module))
+    buffers = [(n, n in persistent) for n, _ in engine.module.named_buffers()] if first_replica else []
+    meta["params_extra"] = {"optimizer": _optimizer_meta(engine.optimizer)}
     rng_tensors, rng_json = files.rng_state()  # captured now, not when a background write runs
     tensors.update(rng_tensors)
-    return SaveJob(root, tag, meta, tensors, records, rng_json, save_latest)
+    return SaveJob(root, tag, meta, tensors, records, buffers, rng_json, save_latest)
 
 
 def prepare(root: Path, tag: str) -> None:
@@ -117,12 +120,12 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> None:
         raise CheckpointError(box[0])
 
 
-def _write_rank_file(job: SaveJob, rank: int) -> tuple[str, int, str, list[dict]]:
+def _write_rank_file(job: SaveJob, rank: int) -> tuple[str, int, str, list[dict], list[tuple[str, bool]]]:
     path = job.partial / layout.rank_file(rank)
     try:
         save_file(job.tensors, str(path), metadata={"rng": job.rng_json})
         files.fsync_file(path)
-        return path.name, path.stat().st_size, layout.crc32_of(path), job.records
+        return path.name, path.stat().st_size, layout.crc32_of(path), job.records, job.buffers
     except (OSError, SafetensorError) as e:
         # the data, the RNG metadata and ~128 header bytes per tensor: what this file takes
         needed = sum(t.numel() * t.element_size() for t in job.tensors.values()) + len(job.rng_json) + 128 * len(job.tensors)
@@ -223,9 +226,13 @@ def _publish(job: SaveJob, gathered: list[Any]) -> None:
     """Rank 0: write the manifest from every rank's file entry and rename the tag into place."""
     meta, partial = job.meta, job.partial
     params: dict[str, dict[str, Any]] = {}
-    meta["files"] = {}
-    for name, size, crc, records in gathered:
+    meta["files"], buffer_files, persistent = {}, {}, []
+    for name, size, crc, records, buffers in gathered:
         meta["files"][name] = {"bytes": size, "crc32": crc}
+        for buffer, is_persistent in buffers:
+            if buffer not in buffer_files:
+                buffer_files[buffer] = name
+                persistent += [buffer] if is_persistent else []
         for r in records:
             entry = params.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "trainable": r["trainable"],
                                                   "pieces": []})
@@ -238,6 +245,7 @@ def _publish(job: SaveJob, gathered: list[Any]) -> None:
             raise CheckpointError(f"{partial}: the pieces of {name!r} do not cover the whole parameter; not published.")
     meta["params"] = params
     meta.update(meta.pop("params_extra"))
+    meta["buffers"], meta["persistent_buffers"], meta["buffer_files"] = list(buffer_files), persistent, buffer_files
     files.write_durably(partial / layout.MANIFEST, json.dumps(meta, indent=1).encode())
     files.fsync_dir(partial)
     _replace(partial, job.root / job.tag)
