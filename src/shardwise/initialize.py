@@ -92,7 +92,8 @@ def initialize(
     if training_data is not None:
         loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
                                    topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last)
+                                   drop_last=cfg.dataloader_drop_last,
+                                   shuffle=not isinstance(model, PipelineModule))  # DeepSpeed's pipeline reads in order
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
 

@@ -63,3 +63,27 @@ def test_cifar_style_matches_deepspeed(stage):
     theirs = run_script("cifar_style.py", *flags, world=2, python=deepspeed_python())
     ours = run_script("cifar_style.py", *flags, world=2, launcher="deepspeed")
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL) and ours["lr"] == pytest.approx(theirs["lr"])
+
+
+def test_pipeline_style_trains_under_the_deepspeed_command():
+    """DeepSpeedExamples' pipeline pattern (PipelineModule + train_batch from the engine's loader) at 2 stages:
+    ZeRO-0 and ZeRO-1 train alike, clipping included."""
+    zero0 = run_script("pipeline_style.py", "--zero_stage", "0", world=2, launcher="deepspeed")
+    zero1 = run_script("pipeline_style.py", "--zero_stage", "1", world=2, launcher="deepspeed")
+    assert zero0["steps"] == zero1["steps"] == 6 and zero0["micro_batches"] == 8 and zero0["parts"] == [0, 4, 7]
+    assert zero1["losses"] == pytest.approx(zero0["losses"], rel=RTOL)
+    assert zero0["losses"][-1] < zero0["losses"][0]
+
+
+@pytest.mark.deepspeed_parity
+@needs_deepspeed
+@pytest.mark.parametrize("zero,clip", [("0", "0"), ("1", "0.5")])
+def test_pipeline_style_matches_deepspeed(zero, clip):
+    """The same losses as DeepSpeed's PipelineEngine. Not at ZeRO-0 with clipping: DeepSpeed 0.19.8's pipeline
+    engine does not clip there (its losses with gradient_clipping 0.5 equal those with 0), shardwise does, as the
+    single-process oracle does (tests/distributed/test_pipeline.py)."""
+    flags = ["--zero_stage", zero, "--clip", clip]
+    theirs = run_script("pipeline_style.py", *flags, world=2, python=deepspeed_python(), timeout=600)
+    ours = run_script("pipeline_style.py", *flags, world=2, launcher="deepspeed")
+    assert ours["parts"] == theirs["parts"] and ours["micro_batches"] == theirs["micro_batches"]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)

@@ -20,6 +20,7 @@ from shardwise.runtime.engine import Engine as DeepSpeedEngine  # noqa: E402
 from . import accelerator, checkpoint, checkpointing, comm, compression, moe, ops, runtime, utils, zero  # noqa: E402
 from .inference import init_inference  # noqa: E402
 from .pipe import PipelineModule  # noqa: E402
+from .runtime.pipe.engine import PipelineEngine  # noqa: E402
 from .runtime.tensor_parallel import tp_model_init  # noqa: E402
 from .utils import OnDevice  # noqa: E402
 
@@ -30,7 +31,7 @@ __git_branch__ = None
 dist = None  # DeepSpeed fills this with deepspeed.comm in initialize(); kept for scripts that read it
 
 __all__ = [
-    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "PipelineModule", "__version__",
+    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "PipelineEngine", "PipelineModule", "__version__",
     "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "init_inference",
     "initialize", "log_dist", "logger", "moe", "ops", "runtime", "tp_model_init", "utils", "zero",
 ]

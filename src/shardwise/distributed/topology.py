@@ -84,6 +84,17 @@ class PipeDataParallelTopology(ProcessTopology):
         super().__init__(["pipe", "data"], [num_pp, num_dp])
 
 
+class PipeModelDataParallelTopology(ProcessTopology):
+    """DeepSpeed's pipe × data × model topology (Megatron-DeepSpeed builds it); `num_mp` must be 1 until
+    shardwise has tensor parallelism."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int):
+        if num_mp != 1:
+            raise NotImplementedError(f"num_mp: tensor (model) parallelism is not supported by shardwise yet; got "
+                                      f"{num_mp}. Use num_mp=1 (pipeline x data parallelism).")
+        super().__init__(["pipe", "data"], [num_pp, num_dp])
+
+
 class Topology:
     def __init__(self, device_type: str, pipe: int = 1, data: int | None = None, tensor: int = 1):
         world = dist.get_world_size()

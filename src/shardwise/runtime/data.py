@@ -24,9 +24,9 @@ class EpochSampler(Sampler[int]):
     """One rank's indices of an epoch's order, from position `start` on (0: the whole epoch, exactly as
     DistributedSampler(shuffle=True) hands them out)."""
 
-    def __init__(self, dataset_size: int, dp_rank: int, dp_size: int, seed: int, drop_last: bool):
+    def __init__(self, dataset_size: int, dp_rank: int, dp_size: int, seed: int, drop_last: bool, shuffle: bool = True):
         self.dataset_size, self.dp_rank, self.dp_size = dataset_size, dp_rank, dp_size
-        self.seed, self.drop_last = seed, drop_last
+        self.seed, self.drop_last, self.shuffle = seed, drop_last, shuffle
         self.epoch = 0
         self.start = 0
 
@@ -34,7 +34,7 @@ class EpochSampler(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        order = epoch_order(self.dataset_size, self.seed, self.epoch)
+        order = epoch_order(self.dataset_size, self.seed, self.epoch, self.shuffle)
         return iter(rank_share(order, self.start, self.dp_rank, self.dp_size, self.drop_last))
 
     def __len__(self) -> int:
@@ -42,7 +42,8 @@ class EpochSampler(Sampler[int]):
 
 
 class DistributedLoader:
-    """Micro-batches of this rank's share of each epoch, resumable at any layout from `state_dict()`."""
+    """Micro-batches of this rank's share of each epoch, resumable at any layout from `state_dict()`.
+    `shuffle=False` reads every epoch in dataset order (DeepSpeed's pipeline engine does)."""
 
     def __init__(
         self,
@@ -54,10 +55,11 @@ class DistributedLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
         num_workers: int = 0,
+        shuffle: bool = True,
     ):
         self.dataset_size = len(dataset)  # type: ignore[arg-type]
         self.micro_batch_size, self.dp_size, self.drop_last = micro_batch_size, dp_size, drop_last
-        self.sampler = EpochSampler(self.dataset_size, dp_rank, dp_size, seed, drop_last)
+        self.sampler = EpochSampler(self.dataset_size, dp_rank, dp_size, seed, drop_last, shuffle)
         # Its own generator: starting an epoch must not draw from torch's global RNG, or a run resumed
         # mid-epoch (RNG restored, then a new iterator) would see different dropout masks from then on.
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn,

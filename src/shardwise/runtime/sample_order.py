@@ -24,8 +24,10 @@ import itertools
 import torch
 
 
-def epoch_order(dataset_size: int, seed: int, epoch: int) -> list[int]:
-    """The epoch's permutation of dataset indices: DistributedSampler's, with shuffling."""
+def epoch_order(dataset_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The epoch's permutation of dataset indices: DistributedSampler's (with shuffling, or in order)."""
+    if not shuffle:
+        return list(range(dataset_size))
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
     return torch.randperm(dataset_size, generator=generator).tolist()

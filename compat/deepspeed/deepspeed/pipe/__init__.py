@@ -1,10 +1,6 @@
-"""`deepspeed.pipe`: pipeline parallelism is not in shardwise yet; these refuse when built."""
+"""`deepspeed.pipe`: shardwise's pipeline parallelism under DeepSpeed's names."""
 
-from shardwise.unsupported import unsupported_class
+from shardwise.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from shardwise.distributed.topology import PipeDataParallelTopology, ProcessTopology
 
-_INSTEAD = "train the model unsplit (ZeRO-3 partitions it across ranks) until shardwise's pipeline engine lands."
-PipelineModule = unsupported_class("deepspeed.pipe.PipelineModule", _INSTEAD)
-LayerSpec = unsupported_class("deepspeed.pipe.LayerSpec", _INSTEAD)
-TiedLayerSpec = unsupported_class("deepspeed.pipe.TiedLayerSpec", _INSTEAD)
-
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipelineModule", "ProcessTopology", "TiedLayerSpec"]

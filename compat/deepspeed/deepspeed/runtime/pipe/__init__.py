@@ -1,3 +1,5 @@
-from ...pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from . import engine, module, topology
+from .module import LayerSpec, PipelineModule, TiedLayerSpec
+from .topology import ProcessTopology
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec", "engine", "module", "topology"]

@@ -1,0 +1,3 @@
+from shardwise.pipe import PipelineEngine, PipelineError
+
+__all__ = ["PipelineEngine", "PipelineError"]
