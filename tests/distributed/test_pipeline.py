@@ -2,8 +2,8 @@
 tests/pipeline_models.py. DeepSpeed's pipeline script (a PipelineModule of LayerSpecs, then train_batch) must
 give the oracle's losses and final parameters: at 2 and 4 stages, with 2 data-parallel replicas and ZeRO 1/2 per
 stage, clipped by the norm over every stage, with a layer tied across stages, under every schedule and partition
-method and with activation checkpointing. Also: eval_batch, the loss on every rank, bf16/fp16, the p2p traffic,
-and the refusals.
+method and with activation checkpointing. Also: eval_batch, the loss on every rank, bf16/fp16 and the p2p traffic
+(refusals: test_pipeline_errors.py).
 
 Start-up is most of a spawned group's time, so one group (a module fixture) trains every configuration of its
 world size, and the tests below read its results.
@@ -11,7 +11,6 @@ world size, and the tests below read its results.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +79,8 @@ FP32_FOUR_RANKS = [
 ]
 LOW_PRECISION = [
     Case("bf16", 2, [0, 4, 8], config={"bf16": {"enabled": True}}, input_dtype=torch.bfloat16),
-    Case("fp16", 2, [0, 4, 8], clip=CLIP, config={"fp16": {"enabled": True, "initial_scale_power": 8, "auto_cast": True}}),
+    Case("fp16", 2, [0, 4, 8], clip=CLIP,
+         config={"fp16": {"enabled": True, "initial_scale_power": 8, "auto_cast": True}}),
     # 2^16: the first batch's gradients overflow fp16 on the last stage only (asserted below)
     Case("fp16 overflow", 2, [0, 4, 8],
          config={"fp16": {"enabled": True, "initial_scale_power": 16, "hysteresis": 1, "auto_cast": True}}),
@@ -187,7 +187,8 @@ def _runs(per_rank: list[dict[str, dict[str, Any]]], case: Case) -> list[dict[st
 
 
 def _pipeline_names(blocks: int, tied: bool) -> list[str]:
-    """The pipeline's name of each oracle parameter, in the oracle's order ("3.fc.weight", "tied_modules.embed.weight")."""
+    """The pipeline's name of each oracle parameter, in the oracle's order: "3.fc.weight",
+    "tied_modules.embed.weight"."""
     from shardwise.pipe import TiedLayerSpec
 
     names, seen = [], set()
@@ -355,101 +356,3 @@ def test_p2p_sends_and_receives_are_counted_on_the_pipe_group(two_ranks, four_ra
                 continue
             for run in _runs(per_rank, case):
                 assert (run["sends"], run["recvs"]) == _expected_p2p(run["stage"], case.stages, case.tied), case.name
-
-
-# --- refusals --------------------------------------------------------------------------------------------------
-def _attempt(call) -> tuple[str, str] | None:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and message
-        return type(e).__name__, str(e)
-    return None
-
-
-def _refusals() -> dict[str, tuple[str, str] | None]:
-    import shardwise
-    from shardwise.pipe import PipelineModule
-
-    config = pm.pipe_config(MICRO, ACCUM, 0.05)
-    got = {"zero-3": _attempt(lambda: pm.pipe_run(2, {**config, "zero_optimization": {"stage": 3}}, 0))}
-    engine = pm.pipe_run(2, config, 0)["engine"]
-    x, _ = next(pm.micro_batches(0, MICRO, ACCUM, 0, 1))
-    got["engine(x)"] = _attempt(lambda: engine(x))
-    got["backward"] = _attempt(lambda: engine.backward(torch.zeros((), requires_grad=True)))
-    got["step"] = _attempt(engine.step)
-    with torch.no_grad():
-        got["no_grad"] = _attempt(lambda: engine.train_batch(pm.micro_batches(0, MICRO, ACCUM, 0, 1)))
-    got["no data"] = _attempt(engine.train_batch)
-    got["3 stages on 2 ranks"] = _attempt(lambda: PipelineModule(pm.layer_specs(), num_stages=3, loss_fn=pm.loss_fn))
-    got["stages differ"] = _attempt(lambda: pm.pipe_run(2, {**config, "pipeline": {"stages": 4}}, 0))
-    got["plain module"] = _attempt(lambda: shardwise.initialize(model=torch.nn.Linear(2, 2),
-                                                                config={**config, "pipeline": {"stages": 2}}))
-    got["interleaved, 1 chunk"] = _attempt(lambda: pm.pipe_run(2, {**config, "pipeline": {"schedule": "interleaved_1f1b"}}, 0))
-    got["2 chunks, 1f1b"] = _attempt(lambda: pm.pipe_run(2, config, 0, num_chunks=2))
-    return got
-
-
-REFUSALS = {
-    "zero-3": ("ValueError", "zero_optimization.stage: pipeline parallelism runs with ZeRO stages 0, 1 and 2; stage 3 "
-               "is not supported with a PipelineModule yet."),
-    "engine(x)": ("PipelineError", "a pipeline engine runs forward inside train_batch() / eval_batch(); call those "
-                  "instead of engine(...)"),
-    "backward": ("PipelineError", "engine.backward(): a pipeline engine runs backward inside train_batch(); call "
-                 "train_batch(data_iter) once per optimizer step."),
-    "step": ("PipelineError", "engine.step(): a pipeline engine steps inside train_batch(); call "
-             "train_batch(data_iter) once per optimizer step."),
-    "no_grad": ("PipelineError", "train_batch(): gradients are disabled (inside torch.no_grad())"),
-    "no data": ("PipelineError", "train_batch(): no data on stage"),
-    "3 stages on 2 ranks": ("ValueError", "num_stages (3) must divide the world size (2): the ranks split into "
-                            "data-parallel replicas of the whole pipeline."),
-    "stages differ": ("ConfigError", "pipeline.stages: 4 differs from the PipelineModule's num_stages (2); make them "
-                      'equal or set "auto".'),
-    "plain module": ("ConfigError", "pipeline.stages: 2 pipeline stages need a PipelineModule model; got a Linear."),
-    "interleaved, 1 chunk": ("ValueError", 'pipeline.schedule: "interleaved_1f1b" needs a PipelineModule with '
-                             "num_chunks >= 2"),
-    "2 chunks, 1f1b": ("ValueError", 'pipeline.schedule: "1f1b" runs one model chunk per stage, but the '
-                       "PipelineModule has num_chunks=2"),
-}
-
-
-def test_refusals_name_what_to_change():
-    per_rank = run_distributed(_refusals, 2, timeout=120)
-    for got in per_rank:
-        assert got.keys() == REFUSALS.keys()
-        for name, (kind, message) in REFUSALS.items():
-            assert got[name] is not None, f"{name}: nothing was refused"
-            assert got[name][0] == kind and message in got[name][1], f"{name}: {got[name]}"
-
-
-def _bad_batch(kind: str) -> tuple[tuple[str, str] | None, dict[str, Any]]:
-    """One good batch (the stages agree on [MICRO, WIDTH] activations), then a bad one. The peer's wait is
-    bounded by collective_timeout_s; it fails sooner, when the failed rank's process group closes."""
-    config = pm.pipe_config(MICRO, ACCUM, 0.05, collective_timeout_s=20)
-    engine = pm.pipe_run(2, config, 1)["engine"]
-    batches = {
-        "not a pair": lambda: iter([(x, y, x) for x, y in pm.micro_batches(1, MICRO, ACCUM, 0, 1)]),
-        "ran out": lambda: itertools.islice(pm.micro_batches(1, MICRO, ACCUM, 0, 1), 2),
-        "shape changed": lambda: pm.micro_batches(1, MICRO + 1, ACCUM, 0, 1),
-    }
-    return _attempt(lambda: engine.train_batch(batches[kind]())), {"stage": engine.stage_id}
-
-
-BAD_BATCHES = {
-    "not a pair": ("PipelineError", "a pipeline micro-batch must be a pair (inputs, labels); got a tuple of 3. "
-                   "Yield (inputs, labels) from the data iterator."),
-    "ran out": ("PipelineError", "the data iterator ran out at micro-batch 2; a batch needs 4 micro-batches "
-                "(gradient_accumulation_steps)."),
-    "shape changed": ("ValueError", "pipeline stage 0, chunk 0, micro-batch 0: the output is [float32[3, 16]] but "
-                      "the stages agreed on [float32[2, 16]] at the first micro-batch; every micro-batch must have "
-                      "the same shapes"),
-}
-
-
-@pytest.mark.parametrize("kind", BAD_BATCHES)
-def test_a_bad_batch_fails_the_first_stage_with_its_cause_and_the_other_stage_too(kind):
-    (first, _), (last, info) = run_distributed(_bad_batch, 2, kind, timeout=120)
-    assert info["stage"] == 1
-    assert first is not None and first[0] == BAD_BATCHES[kind][0] and BAD_BATCHES[kind][1] in first[1], first
-    # the last stage waited on the first: a communication error naming it, not a hang
-    assert last is not None and last[0] in ("CollectiveError", "CollectiveTimeout"), last
-    assert "[rank 1/2, pipe group]" in last[1] and "rank 0" in last[1], last

@@ -18,7 +18,7 @@ from shardwise.pipeline.p2p import HEADER, Meta, StageLink
 
 # --- partition ------------------------------------------------------------------------------------
 def _part_sums(weights: list[int], bounds: list[int]) -> list[int]:
-    return [sum(weights[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    return [sum(weights[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
 
 
 def _optimal_partitions(weights: list[int], parts: int) -> tuple[int, list[list[int]]]:
@@ -32,7 +32,7 @@ def _optimal_partitions(weights: list[int], parts: int) -> tuple[int, list[list[
 
 def _check_bounds(bounds: list[int], num_layers: int, parts: int) -> None:
     assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == num_layers
-    assert all(hi > lo for lo, hi in zip(bounds, bounds[1:])), f"an empty part in {bounds}"
+    assert all(hi > lo for lo, hi in itertools.pairwise(bounds)), f"an empty part in {bounds}"
 
 
 def test_uniform_gives_the_first_parts_one_more_layer():
@@ -44,7 +44,7 @@ def test_uniform_gives_the_first_parts_one_more_layer():
         if layers >= parts:
             bounds = partition.uniform(layers, parts)
             _check_bounds(bounds, layers, parts)
-            sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+            sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
             assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
@@ -82,15 +82,15 @@ def test_type_weights_match_class_names_case_insensitively_anywhere():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: partition.uniform(2, 3),
-     "the model has 2 layers, fewer than the 3 pipeline parts asked for; every part needs at least one layer. "
-     "Use fewer stages (or chunks), or split the model finer."),
+     ("the model has 2 layers, fewer than the 3 pipeline parts asked for; every part needs at least one layer. "
+      "Use fewer stages (or chunks), or split the model finer.")),
     (lambda: partition.balanced([1, 2], 3), "the model has 2 layers, fewer than the 3 pipeline parts asked for"),
     (lambda: partition.uniform(4, 0), "parts: at least 1 is required; got 0."),
     (lambda: partition.balanced([1, -1, 2], 2), "weights: non-negative values are required; got [1, -1, 2]."),
     (lambda: partition.type_weights(["Block"], "("), 'partition_method: "type:(" is not a valid regular expression'),
     (lambda: partition.type_weights(["Linear", "Block", "Block"], "attention"),
-     "partition_method: \"type:attention\" matches no layer class (classes: ['Block', 'Linear']); name a class that "
-     "the layers have."),
+     ("partition_method: \"type:attention\" matches no layer class (classes: ['Block', 'Linear']); name a class "
+      "that the layers have.")),
 ])
 def test_partition_errors(call, message):
     with pytest.raises(ValueError) as info:
@@ -157,12 +157,14 @@ def test_meta_round_trips_a_tensor():
 
 def test_meta_round_trips_a_tuple_of_mixed_dtypes_and_grad_flags():
     value = (torch.randn(2, 4, 6, requires_grad=True), torch.zeros(2, 4, dtype=torch.int64),
-             torch.ones(7, dtype=torch.bool), torch.randn(2, dtype=torch.bfloat16), torch.tensor(3.0, dtype=torch.float16),
+             torch.ones(7, dtype=torch.bool), torch.randn(2, dtype=torch.bfloat16),
+             torch.tensor(3.0, dtype=torch.float16),
              torch.zeros(1, 2, 3, 4, dtype=torch.uint8))
     meta = _round_trip(value)
     assert meta.is_tuple
     assert meta.tensors == ((torch.float32, True, (2, 4, 6)), (torch.int64, False, (2, 4)), (torch.bool, False, (7,)),
-                            (torch.bfloat16, False, (2,)), (torch.float16, False, ()), (torch.uint8, False, (1, 2, 3, 4)))
+                            (torch.bfloat16, False, (2,)), (torch.float16, False, ()),
+                            (torch.uint8, False, (1, 2, 3, 4)))
     assert meta.describe() == "float32[2, 4, 6], int64[2, 4], bool[7], bfloat16[2], float16[], uint8[1, 2, 3, 4]"
 
 
@@ -199,7 +201,8 @@ def test_meta_refuses_what_is_not_a_tensor():
 def test_meta_refuses_a_dtype_stages_cannot_exchange():
     with pytest.raises(TypeError) as info:
         Meta.of((torch.zeros(2), torch.zeros(2, dtype=torch.complex64)))
-    assert "output item 1 has dtype torch.complex64, which stages cannot exchange; use one of ['float32'," in str(info.value)
+    message = "output item 1 has dtype torch.complex64, which stages cannot exchange; use one of ['float32',"
+    assert message in str(info.value)
 
 
 # --- every send meets its receive (tags) --------------------------------------------------------------------
