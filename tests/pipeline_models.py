@@ -104,7 +104,7 @@ def oracle_run(steps: int, batch: int, lr: float, clip: float = 0.0, blocks: int
                optimizer: str = "sgd") -> tuple[list[float], dict[str, torch.Tensor]]:
     model = Oracle(layer_specs(blocks, tied))
     opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0))
+           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01))
     losses = []
     for step in range(steps):
         x, y = global_batch(step, batch, tied)
@@ -120,7 +120,8 @@ def oracle_run(steps: int, batch: int, lr: float, clip: float = 0.0, blocks: int
 
 def pipe_config(micro: int, accum: int, lr: float, clip: float = 0.0, optimizer: str = "sgd", **extra: Any) -> dict:
     opt = ({"type": "SGD", "params": {"lr": lr, "momentum": 0.9}} if optimizer == "sgd"
-           else {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8}})
+           else {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}})
+    # weight_decay stated on both sides: torch's AdamW defaults to 0.01, DeepSpeed's (and shardwise's) to 0
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "gradient_clipping": clip,
             "steps_per_print": 1000, "optimizer": opt, **extra}
 

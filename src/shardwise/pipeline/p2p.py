@@ -7,7 +7,9 @@ sender, naming both (a smaller last batch, a changed sequence length), never sen
 shape; `reset()` (engine.reset_activation_shape()) negotiates again. Gradients flow back only for the
 floating-point tensors that needed one, in the shapes the activation had, so they need no description.
 
-Tags keep the streams apart on gloo: activation / gradient / tied tensors, per micro-batch and chunk.
+Tags keep the streams apart on gloo: activation / gradient / tied tensors, per micro-batch and chunk. Both
+ends of an edge tag it with the chunk of its producing side: with interleaving, stage 0's chunk c consumes the
+last stage's chunk c - 1, so the consumer's own chunk number would never match the producer's tag.
 """
 
 from __future__ import annotations
@@ -102,18 +104,18 @@ class StageLink:
         meta = self._received.get(chunk)
         if meta is None:
             header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-            self._recv(header, stage, ACTIVATION, -1, chunk)
+            self._recv(header, stage, ACTIVATION, -1, self._producer_chunk(chunk))
             meta = self._received[chunk] = Meta.decode(header.cpu())
         tensors = []
         for dtype, grad, shape in meta.tensors:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._recv(t, stage, ACTIVATION, micro_batch, chunk)
+            self._recv(t, stage, ACTIVATION, micro_batch, self._producer_chunk(chunk))
             tensors.append(t.requires_grad_(grad and dtype.is_floating_point))
         return tuple(tensors) if meta.is_tuple else tensors[0]
 
     def send_grads(self, grads: list[torch.Tensor], stage: int, micro_batch: int, chunk: int) -> None:
         for g in grads:
-            self._post(g.contiguous(), stage, GRADIENT, micro_batch, chunk)
+            self._post(g.contiguous(), stage, GRADIENT, micro_batch, self._producer_chunk(chunk))
 
     def recv_grads(self, like: list[torch.Tensor], stage: int, micro_batch: int, chunk: int) -> list[torch.Tensor]:
         grads = []
@@ -134,6 +136,10 @@ class StageLink:
         for pending, _ in self.pending:
             pending.wait()
         self.pending.clear()
+
+    def _producer_chunk(self, chunk: int) -> int:
+        """The chunk that feeds this stage's `chunk`: on stage 0 the last stage's previous chunk."""
+        return chunk - 1 if self.group.rank == 0 else chunk
 
     def _post(self, tensor: torch.Tensor, stage: int, kind: int, micro_batch: int, chunk: int) -> None:
         tag = _tag(kind, micro_batch, chunk)

@@ -62,6 +62,7 @@ class PipelineEngine(Engine):
         self.agg_eval_loss: torch.Tensor | None = None
         self.last_batch: BatchResult | None = None
         """The executor's record of the last train_batch (timeline when executor.record_timeline, in-flight peak)."""
+        self._link_training: bool | None = None
 
     # --- where this rank sits ---------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -96,6 +97,7 @@ class PipelineEngine(Engine):
         self._hooks.data = self._data(data_iter, "train_batch")
         self._hooks.aggregated = None
         self._grads_since_step = True
+        self._agree_activations(training=True)
         self.last_batch = self.executor.run(self._schedule.per_stage[self.stage_id], train=True)
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._hooks.aggregated
@@ -116,6 +118,7 @@ class PipelineEngine(Engine):
         was_training = self.module.training
         self.module.eval()
         self._hooks.data = self._data(data_iter, "eval_batch")
+        self._agree_activations(training=False)
         try:
             with torch.no_grad():
                 result = self.executor.run(schedule.per_stage[self.stage_id], train=False, compute_loss=compute_loss)
@@ -126,6 +129,13 @@ class PipelineEngine(Engine):
         if return_logits:
             return output, result.last_output if self.is_last_stage() else None
         return output
+
+    def _agree_activations(self, training: bool) -> None:
+        """Activations need gradients in training and none in evaluation, so their descriptions differ between the
+        two: the stages agree on them again when the engine switches (every stage switches at the same call)."""
+        if self._link_training is not None and self._link_training != training:
+            self.link.reset()
+        self._link_training = training
 
     def _eval_output(self, result: BatchResult, reduce_output: str | None, bcast: bool) -> Any:
         if reduce_output is None:
