@@ -77,3 +77,20 @@ def test_each_stage_saves_its_own_buffers(tmp_path):
     # read back at one stage, where the buffer's layer now lives on rank 0
     resumed = run_distributed(_train, 1, 1, _config(4, 0), 2, 1, False, tmp_path, True, True, timeout=120)
     assert resumed[0][2] == [2 * 4 + 4]  # 2 steps x 4 micro-batches saved, one more step after loading
+
+
+def _save_16bit(save_dir):
+    import shardwise
+    from shardwise.pipe import PipelineError, PipelineModule
+
+    module = PipelineModule(layer_specs(2), num_stages=2, loss_fn=loss_fn)
+    engine, *_ = shardwise.initialize(model=module, model_parameters=module.parameters(), config=_config(4, 0))
+    with pytest.raises(PipelineError, match="no rank has the whole model") as info:
+        engine.save_16bit_model(save_dir)
+    return str(info.value)
+
+
+def test_whole_model_saves_are_refused_not_partial(tmp_path):
+    messages = run_distributed(_save_16bit, 2, str(tmp_path), timeout=120)
+    assert all("shardwise checkpoint consolidate" in m for m in messages)
+    assert not list(tmp_path.iterdir())  # nothing half-written

@@ -186,6 +186,14 @@ class PipelineEngine(Engine):
         self.comm.all_reduce(squared, self.topology.pipe).wait()
         return squared.sqrt()[0]
 
+    def save_16bit_model(self, *args: Any, **kwargs: Any) -> str | None:
+        raise PipelineError("save_16bit_model(): each pipeline stage holds only its own layers, so no rank has the whole "
+                            "model; save a checkpoint (engine.save_checkpoint) and consolidate it with `shardwise "
+                            "checkpoint consolidate`, which reads every stage's weights by name.")
+
+    def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor] | None:
+        return self.save_16bit_model()
+
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
         loaded = super().load_checkpoint(*args, **kwargs)
         self.tied.sync_weights()  # only the owner's copy is in the checkpoint
