@@ -109,12 +109,10 @@ class PipelineModule(torch.nn.Module):
 
     def tied_tensors(self, key: str) -> list[torch.Tensor]:
         """The tied module's shared tensors on this stage (parameters on the owner, plain tensors elsewhere)."""
-        module = self.tied_modules[key]
-        return [_getattr(module, attr) for attr in self.tied_attrs[key]]
+        return [getattr(*_holder(self.tied_modules[key], attr)) for attr in self.tied_attrs[key]]
 
     def set_tied_tensor(self, key: str, index: int, tensor: torch.Tensor) -> None:
-        owner, _, attr = self.tied_attrs[key][index].rpartition(".")
-        setattr(self.tied_modules[key].get_submodule(owner) if owner else self.tied_modules[key], attr, tensor)
+        setattr(*_holder(self.tied_modules[key], self.tied_attrs[key][index]), tensor)
 
     # --- forward --------------------------------------------------------------------------
     def forward(self, inputs: Any, chunk: int = 0) -> Any:
@@ -182,8 +180,7 @@ class PipelineModule(torch.nn.Module):
             if self.owns_tied(key):
                 continue
             for i, tensor in enumerate(self.tied_tensors(key)):
-                owner, _, attr = self.tied_attrs[key][i].rpartition(".")
-                module = self.tied_modules[key].get_submodule(owner) if owner else self.tied_modules[key]
+                module, attr = _holder(self.tied_modules[key], self.tied_attrs[key][i])
                 del module._parameters[attr]
                 self.set_tied_tensor(key, i, tensor.detach().requires_grad_(tensor.requires_grad))
 
@@ -240,6 +237,7 @@ def _class_name(layer: Any) -> str:
     return layer.typename.__name__ if isinstance(layer, LayerSpec) else type(layer).__name__
 
 
-def _getattr(module: torch.nn.Module, dotted: str) -> torch.Tensor:
+def _holder(module: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
+    """The submodule that holds the attribute `dotted` ("weight", "proj.weight"), and the attribute's name."""
     owner, _, attr = dotted.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, attr)
+    return module.get_submodule(owner), attr
