@@ -71,14 +71,18 @@ def oracle(steps: int, batch: int, lr: float = 1e-2, clip: float = 0.0, optimize
         opt = torch.optim.AdamW(param_groups(model), lr=lr, betas=(0.9, 0.99), eps=1e-8)
     losses = []
     for step in range(steps):
-        loss = model(*global_batch(step, batch))
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(oracle_step(model, opt, model(*global_batch(step, batch)), clip))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def oracle_step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float) -> float:
+    """One plain PyTorch step on `loss` (clipped to the global norm `clip` when > 0); the loss's value."""
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 def ds_config(micro: int, accum: int, clip: float = 0.0, lr: float = 1e-2, optimizer: str = "adamw", **extra: Any) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tests.parity import oracle_step
+
 BASE_SEED = 1234
 WIDTH, IN, OUT = 16, 8, 4
 
@@ -108,13 +110,7 @@ def oracle_run(steps: int, batch: int, lr: float, clip: float = 0.0, blocks: int
     losses = []
     for step in range(steps):
         x, y = global_batch(step, batch, tied)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(oracle_step(model, opt, loss_fn(model(x), y), clip))
     return losses, {f"layer{i}": p.detach().clone() for i, p in enumerate(model.parameters())}
 
 
