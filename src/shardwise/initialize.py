@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import accelerator
 from .config import Config, ConfigError, parse_config
+from .config.parse import load_raw
 from .config.notes import note_once
 from .distributed import Collectives, Group, Topology, init_distributed
 from .monitor.console import ensure_console_handler
@@ -27,6 +28,8 @@ from .pipeline.module import PipelineModule
 from .runtime.engine import Engine
 from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
+from .runtime.tensor_parallel_setup import data_parallel_size, split_model, tensor_parallel_size
+from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[ParamGroups], torch.optim.Optimizer] | None
@@ -52,15 +55,15 @@ def initialize(
     """Build a training engine around `model`: `(engine, optimizer, training_dataloader, lr_scheduler)`."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: an nn.Module is required; got {type(model).__name__}.")
-    if mpu is not None:
-        raise ValueError("mpu: Megatron-style model-parallel units are not supported yet; drop the argument.")
     if mesh_param is not None:
         raise ValueError(f"mesh_param: sequence-parallel meshes are not supported yet; got {mesh_param!r}. Drop it.")
     raw = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     ensure_console_handler()
     pipe = model.num_stages if isinstance(model, PipelineModule) else 1
-    cfg = parse_config(raw, dp_size=dist.get_world_size() // pipe)
+    raw = load_raw(raw)
+    tensor = tensor_parallel_size(raw, model, mpu)
+    cfg = parse_config(raw, dp_size=data_parallel_size(dist.get_world_size(), pipe, tensor))
     _check_pipeline(cfg, model)
     groups = _param_groups(optimizer, model_parameters, model)
     check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
@@ -74,8 +77,11 @@ def initialize(
     check_autocast(cfg.torch_autocast, device)
     # before any collective that would hang on a difference
     check_ranks_agree(cfg, model, groups, device, model.describe() if pipe > 1 else None)
-    topology = Topology(device.type, pipe=pipe)
+    topology = Topology(device.type, pipe=pipe, tensor=tensor)
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
+    split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology)
+    if split is not None:
+        groups = split.remap(groups)
     model.to(device)
     _broadcast_module(model, topology.data, comm)
     precision = PrecisionPolicy.from_config(cfg)
@@ -83,11 +89,11 @@ def initialize(
         module=model, param_groups=groups, make_optimizer=make_optimizer, precision=precision,
         dp_group=topology.data, comm=comm, zero=cfg.zero_optimization,
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
-        aio=cfg.aio,
+        aio=cfg.aio, counts_in_norm=split.counts_in_norm if split is not None else None,
     ))
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
-    engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank)
+    engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank, split)
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,

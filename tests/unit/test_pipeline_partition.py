@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from shardwise.distributed.topology import Group, PipeDataParallelTopology, ProcessTopology
+from shardwise.distributed.topology import Group, PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from shardwise.pipeline import Op, gpipe, inference, interleaved_1f1b, one_f_one_b, partition
 from shardwise.pipeline.p2p import HEADER, Meta, StageLink
 
@@ -127,12 +127,19 @@ def test_three_axis_topology_varies_the_last_axis_fastest():
 @pytest.mark.parametrize("axes, dims, message", [
     (["pipe"], [2, 2], "axes ['pipe'] and dims [2, 2]: one positive size per axis is required."),
     (["pipe", "data"], [2, 0], "axes ['pipe', 'data'] and dims [2, 0]: one positive size per axis is required."),
-    (["pipe", "model"], [2, 2], "axes: only pipe, data, tensor exist in shardwise's mesh; got ['model']."),
+    (["pipe", "expert"], [2, 2], "axes: only pipe, data, tensor exist in shardwise's mesh; got ['expert']."),
 ])
 def test_topology_errors(axes, dims, message):
     with pytest.raises(ValueError) as info:
         ProcessTopology(axes, dims)
     assert str(info.value) == message
+
+
+def test_model_axis_is_the_tensor_axis_in_deepspeeds_order():
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    assert topo.get_axis_names() == ["pipe", "data", "model"]
+    assert topo.get_rank(pipe=1, data=0, model=1) == 5
+    assert topo.get_axis_comm_lists("model") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_get_rank_needs_every_axis():

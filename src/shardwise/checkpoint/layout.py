@@ -8,6 +8,13 @@ A checkpoint tag is a directory:
 Each piece covers elements [start, end) of a flattened parameter; `piece_key(name, kind, start)` is
 its tensor name. Kinds: "master" (fp32 trainable values), "value" (a frozen parameter as stored),
 "state.<key>" (an element-wise optimizer state such as exp_avg).
+
+[Note: tensor-parallel pieces] A parameter split over tensor-parallel ranks is recorded at its whole shape with
+`"tp": {"dim", "parts", "blocks"}` (tensor_parallel/shard.py), and each piece names its `part` (the
+tensor-parallel rank): its [start, end) count elements of that part, flattened. A parameter left whole is
+written by tensor-parallel rank 0 only. A reader at the same split reads its part's ranges directly; at any
+other split (or none) it assembles the whole parameter from its parts and takes its own piece, one
+parameter at a time: the "universal checkpoint" conversion, done at load time.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ def partial_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.partial"
 
 
-def piece_key(name: str, kind: str, start: int) -> str:
-    return f"{name}|{kind}|{start}"
+def piece_key(name: str, kind: str, start: int, part: int | None = None) -> str:
+    """A piece's tensor name; `part` is the tensor-parallel rank whose piece of the parameter it is."""
+    return f"{name}|{kind}|{start}" if part is None else f"{name}|{kind}|{start}|tp{part}"
 
 
 def buffer_key(name: str) -> str:
@@ -46,6 +54,19 @@ def overlaps(pieces: list[dict], start: int, end: int) -> Iterator[tuple[dict, i
         lo, hi = max(start, piece["start"]), min(end, piece["end"])
         if lo < hi:
             yield piece, lo, hi
+
+
+def covered_parts(entry: dict) -> bool:
+    """Whether a manifest entry's pieces cover its parameter: each tensor-parallel part whole (see [Note:
+    tensor-parallel pieces]), or the whole parameter when it was not split."""
+    numel = 1
+    for d in entry["shape"]:
+        numel *= d
+    split = entry.get("tp")
+    if split is None:
+        return covered(entry["pieces"], numel)
+    return all(covered([p for p in entry["pieces"] if p.get("part") == part], numel // split["parts"])
+               for part in range(split["parts"]))
 
 
 def covered(pieces: list[dict], numel: int) -> bool:

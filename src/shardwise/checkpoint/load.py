@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocols import StateSlot, TrainingEngine
+from ..tensor_parallel.shard import TensorShard
 from . import files, layout
 from .errors import CheckpointError
 from .progress import restore_progress
@@ -29,16 +30,17 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     with engine.strategy.resident(), torch.no_grad():
         slots = engine.strategy.state_slots()
         _check_names(reader, _model_names(engine.module), load_module_strict)
-        _check_shapes(reader, slots, engine.module)
+        shards = engine.tensor_shards
+        _check_shapes(reader, slots, engine.module, shards)
         for slot in slots:
             if reader.has(slot.name):
                 kind = layout.MASTER if layout.MASTER in reader.kinds(slot.name) else layout.VALUE
-                reader.read_into(slot.name, kind, slot.start, slot.end, slot.values)
+                reader.read_into(slot.name, kind, slot.start, slot.end, slot.values, shards.get(slot.name))
         for name, buf in engine.module.named_buffers():
             if name in meta["buffers"]:
                 buf.copy_(reader.buffer(name))
         if load_optimizer_states:
-            _load_optimizer(engine.optimizer, slots, reader)
+            _load_optimizer(engine.optimizer, slots, reader, shards)
         engine.strategy.after_state_load()
     if load_optimizer_states:
         engine.precision.loss_scaler.load_state_dict(meta["loss_scaler"])
@@ -71,14 +73,15 @@ def _check_names(reader: CheckpointReader, model: set[str], strict: bool) -> Non
         logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])
 
 
-def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torch.nn.Module) -> None:
+def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torch.nn.Module,
+                  shards: dict[str, TensorShard]) -> None:
     """Refuse, on every rank alike, any parameter or buffer whose saved shape differs from the model's.
 
     Reading by element range would otherwise load a smaller checkpoint's first elements into a larger
     model (or the reverse) without a word. A rank holds slots of only some parameters (stage 3), so
     the ranks exchange the shapes they hold and every rank checks the whole model.
     """
-    held = {slot.name: tuple(slot.shape) for slot in slots}
+    held = {slot.name: shards[slot.name].full_shape if slot.name in shards else tuple(slot.shape) for slot in slots}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, held)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -98,7 +101,8 @@ def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torc
             "never different shapes); build the model with the configuration it was saved from.")
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], reader: CheckpointReader) -> None:
+def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], reader: CheckpointReader,
+                    shards: dict[str, TensorShard]) -> None:
     saved = reader.meta["optimizer"]
     if saved["type"] != type(optimizer).__name__:
         raise CheckpointError(f"{reader.path}: optimizer state is for {saved['type']}, the engine has "
@@ -119,7 +123,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], re
             if key not in state:
                 state[key] = torch.zeros_like(slot.opt_param, memory_format=torch.contiguous_format)
             flat = state[key].view(-1)[slot.opt_offset : slot.opt_offset + slot.end - slot.start]
-            reader.read_into(slot.name, kind, slot.start, slot.end, flat)
+            reader.read_into(slot.name, kind, slot.start, slot.end, flat, shards.get(slot.name))
         for key, value in saved["scalars"].items():
             state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
 

@@ -71,7 +71,12 @@ def _param_problems(name: str, entry: Any, files: dict[str, Any]) -> list[str]:
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         return [f"parameter {name!r} has shape {shape!r}, not a list of sizes"]
-    numel = numel_of(shape)
+    split = entry.get("tp")
+    if split is not None:
+        problem = _split_problem(name, shape, split)
+        if problem:
+            return [problem]
+    numel = numel_of(shape) // (split["parts"] if split else 1)  # a piece counts elements of its part
     problems = []
     for piece in entry["pieces"]:
         if not isinstance(piece, dict) or piece.get("file") not in files or not isinstance(piece.get("kinds"), list):
@@ -80,9 +85,24 @@ def _param_problems(name: str, entry: Any, files: dict[str, Any]) -> list[str]:
                   and piece["start"] <= piece["end"] <= numel):
             problems.append(f"parameter {name!r} (shape {tuple(shape)}, {numel} elements) has a piece "
                             f"[{piece.get('start')!r}, {piece.get('end')!r}) outside it")
-    if not problems and not layout.covered(entry["pieces"], numel):
+        elif split is not None and not (_is_count(piece.get("part")) and piece["part"] < split["parts"]):
+            problems.append(f"parameter {name!r} is split in {split['parts']} tensor-parallel parts but has a piece of "
+                            f"part {piece.get('part')!r}")
+        elif split is None and "part" in piece:
+            problems.append(f"parameter {name!r} is not split but has a piece of tensor-parallel part {piece['part']!r}")
+    if not problems and not layout.covered_parts(entry):
         problems.append(f"the pieces of parameter {name!r} do not cover its shape {tuple(shape)}")
     return problems
+
+
+def _split_problem(name: str, shape: list[int], split: Any) -> str | None:
+    """A tensor-parallel split that does not describe equal parts of `shape`, or None."""
+    if not (isinstance(split, dict) and all(_is_count(split.get(k)) for k in ("dim", "parts", "blocks"))):
+        return f"parameter {name!r} has a tensor-parallel split {split!r} without dim, parts and blocks"
+    if not (split["dim"] < len(shape) and split["parts"] > 0 and split["blocks"] > 0
+            and shape[split["dim"]] % (split["parts"] * split["blocks"]) == 0):
+        return f"parameter {name!r} (shape {tuple(shape)}) cannot be split as {split}"
+    return None
 
 
 def _is_count(value: Any) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..tensor_parallel.shard import TensorShard, assemble, take
 from . import layout
 from .errors import CheckpointError
 from .manifest import read_manifest
@@ -50,6 +51,7 @@ class CheckpointReader:
         self.meta = read_manifest(self.path)
         self.verify = verify
         self._open: dict[str, SafetensorsFile] = {}
+        self._cached_whole: tuple[tuple[str, str], torch.Tensor] | None = None
 
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._open:
@@ -71,12 +73,26 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.meta["params"][name]["shape"])
 
-    def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
-        """Copy elements [start, end) of parameter `name`'s `kind` into `out` (casting to its dtype)."""
-        pieces = [p for p in self.meta["params"][name]["pieces"] if kind in p["kinds"]]
+    def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor,
+                  shard: TensorShard | None = None) -> None:
+        """Copy elements [start, end) of parameter `name`'s `kind` into `out` (casting to its dtype). With `shard`,
+        the elements are of this rank's tensor-parallel piece of the parameter, whatever split it was saved with
+        (see [Note: tensor-parallel pieces])."""
+        saved = self.meta["params"][name].get("tp")
+        if saved is None and shard is None:
+            self._read_range(name, kind, None, start, end, out)
+        elif shard is not None and saved == shard.describe():
+            self._read_range(name, kind, shard.rank, start, end, out)
+        else:
+            whole = self._whole(name, kind)
+            local = take(whole, shard) if shard is not None else whole
+            out.copy_(local.reshape(-1)[start:end])
+
+    def _read_range(self, name: str, kind: str, part: int | None, start: int, end: int, out: torch.Tensor) -> None:
+        pieces = [p for p in self.meta["params"][name]["pieces"] if kind in p["kinds"] and p.get("part") == part]
         filled = 0
         for piece, lo, hi in layout.overlaps(pieces, start, end):
-            key = layout.piece_key(name, kind, piece["start"])
+            key = layout.piece_key(name, kind, piece["start"], part)
             source = self.file(piece["file"])
             if source.numel(key) != piece["end"] - piece["start"]:
                 raise CheckpointError(f"{source.path}: tensor {key!r} has {source.numel(key)} elements, the manifest "
@@ -84,13 +100,31 @@ class CheckpointReader:
             out[lo - start : hi - start].copy_(source.read_range(key, lo - piece["start"], hi - piece["start"]))
             filled += hi - lo
         if filled < end - start:
-            raise CheckpointError(f"{self.path}: {name!r} (shape {self.shape(name)}) has no {kind!r} for elements "
-                                  f"[{start}, {end}).")
+            where = f" (tensor-parallel part {part})" if part is not None else ""
+            raise CheckpointError(f"{self.path}: {name!r} (shape {self.shape(name)}){where} has no {kind!r} for "
+                                  f"elements [{start}, {end}).")
+
+    def _whole(self, name: str, kind: str) -> torch.Tensor:
+        """The whole parameter (fp32), assembled from its tensor-parallel parts; the last one is kept, since a
+        rank usually reads several kinds or ranges of one parameter in a row."""
+        if self._cached_whole is not None and self._cached_whole[0] == (name, kind):
+            return self._cached_whole[1]
+        entry, shape = self.meta["params"][name], self.shape(name)
+        saved = entry.get("tp")
+        if saved is None:
+            whole = torch.empty(shape, dtype=torch.float32)
+            self._read_range(name, kind, None, 0, whole.numel(), whole.view(-1))
+        else:
+            part_shape = TensorShard(saved["dim"], 0, saved["parts"], shape, saved["blocks"]).local_shape
+            parts = [torch.empty(part_shape, dtype=torch.float32) for _ in range(saved["parts"])]
+            for rank, part in enumerate(parts):
+                self._read_range(name, kind, rank, 0, part.numel(), part.view(-1))
+            whole = assemble(parts, saved["dim"], saved["blocks"])
+        self._cached_whole = ((name, kind), whole)
+        return whole
 
     def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out = torch.empty(self.shape(name), dtype=dtype)
-        self.read_into(name, kind, 0, out.numel(), out.view(-1))
-        return out
+        return self._whole(name, kind).to(dtype)
 
     def _buffer_file(self, name: str) -> SafetensorsFile:
         """Each pipeline stage's buffers are in its first replica's file (rank 0's in checkpoints that predate

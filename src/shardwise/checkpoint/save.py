@@ -188,19 +188,27 @@ def _pack(engine: TrainingEngine, include_replicated: bool, include_buffers: boo
     optimizer = engine.optimizer
     tensors: dict[str, torch.Tensor] = {}
     records = []
+    shards, tensor_rank = engine.tensor_shards, engine.topology.tensor.rank
     for slot in engine.strategy.state_slots():
         if (slot.replicated and not include_replicated) or (not slot.trainable and not include_frozen):
+            continue
+        shard = shards.get(slot.name)
+        if shard is None and tensor_rank != 0:  # whole on every tensor-parallel rank: rank 0 writes it
             continue
         kinds = {layout.MASTER if slot.trainable else layout.VALUE: slot.values}
         if slot.trainable:
             n = slot.end - slot.start
             for key, value in _elementwise_state(optimizer, slot.opt_param).items():
                 kinds[f"state.{key}"] = value.view(-1)[slot.opt_offset : slot.opt_offset + n]
+        part = shard.rank if shard is not None else None
         for kind, value in kinds.items():
-            tensors[layout.piece_key(slot.name, kind, slot.start)] = _host(value, copy)
-        records.append({"name": slot.name, "shape": list(slot.shape), "start": slot.start, "end": slot.end,
-                        "trainable": slot.trainable, "dtype": str(slot.values.dtype).removeprefix("torch."),
-                        "kinds": sorted(kinds)})
+            tensors[layout.piece_key(slot.name, kind, slot.start, part)] = _host(value, copy)
+        record = {"name": slot.name, "shape": list(shard.full_shape if shard else slot.shape), "start": slot.start,
+                  "end": slot.end, "trainable": slot.trainable, "dtype": str(slot.values.dtype).removeprefix("torch."),
+                  "kinds": sorted(kinds)}
+        if shard is not None:
+            record.update(part=part, tp=shard.describe())
+        records.append(record)
     if include_buffers:
         for name, buf in engine.module.named_buffers():
             tensors[layout.buffer_key(name)] = _host(buf, copy)
@@ -235,13 +243,11 @@ def _publish(job: SaveJob, gathered: list[Any]) -> None:
                 persistent += [buffer] if is_persistent else []
         for r in records:
             entry = params.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "trainable": r["trainable"],
-                                                  "pieces": []})
-            entry["pieces"].append({"file": name, "start": r["start"], "end": r["end"], "kinds": r["kinds"]})
+                                                  "pieces": [], **({"tp": r["tp"]} if "tp" in r else {})})
+            piece = {"file": name, "start": r["start"], "end": r["end"], "kinds": r["kinds"]}
+            entry["pieces"].append(piece if "part" not in r else {**piece, "part": r["part"]})
     for name, entry in params.items():
-        numel = 1
-        for d in entry["shape"]:
-            numel *= d
-        if not layout.covered(entry["pieces"], numel):
+        if not layout.covered_parts(entry):
             raise CheckpointError(f"{partial}: the pieces of {name!r} do not cover the whole parameter; not published.")
     meta["params"] = params
     meta.update(meta.pop("params_extra"))

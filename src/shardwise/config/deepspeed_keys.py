@@ -211,10 +211,18 @@ TABLE: dict[str, Treatment] = {
     "pipeline.partition": noop("the PipelineModule's partition_method decides how layers split"),
     "pipeline.seed_layers": noop("the PipelineModule's seed_layers argument decides"),
     "pipeline.activation_checkpoint_interval": noop("the PipelineModule's activation_checkpoint_interval argument decides"),
-    "pipeline.pipe_partitioned": noop("splits activations sent between stages across tensor-parallel ranks; shardwise's pipeline has no tensor parallelism yet"),
-    "pipeline.grad_partitioned": noop("splits gradients sent between stages across tensor-parallel ranks; shardwise's pipeline has no tensor parallelism yet"),
+    "pipeline.pipe_partitioned": noop("splits activations sent between stages across tensor-parallel ranks; every tensor-parallel rank of a stage sends its whole activation"),
+    "pipeline.grad_partitioned": noop("splits gradients sent between stages across tensor-parallel ranks; every tensor-parallel rank of a stage sends its whole gradient"),
+    # --- tensor parallelism (AutoTP) -------------------------------------------------------------------
+    "tensor_parallel.*": impl("AutoTP training: the model's layers are split over autotp_size ranks at initialize"),
+    "tensor_parallel.tp_overlap_comm": noop("the row-parallel all-reduces run in line; backward overlaps the data-parallel reduction"),
+    "tensor_parallel.vocab_parallel_ce_backend": noop("the model's own loss runs on gathered logits; shardwise.tensor_parallel.vocab_parallel_cross_entropy is the torch reference"),
+    "tensor_parallel.dtype": noop("the model's dtype follows fp16/bf16.enabled"),
+    "tensor_parallel.keep_module_on_host": noop("checkpoints are read slice by slice into the split parameters"),
+    "tensor_parallel.tensor_parallel.*": noop("inference settings (tp_size, tp_grain_size); training uses autotp_size"),
+    "tensor_parallel.injection_policy_tuple": refused("inference kernel-injection policies"),
+    "tensor_parallel.replace_with_kernel_inject": only((False,), "inference kernel injection"),
     # --- features shardwise does not have -------------------------------------------------------------
-    "tensor_parallel.*": refused("AutoTP tensor-parallel training (on when autotp_size > 0; the other keys act only with it or in inference)", UNLESS_AUTOTP),
     "expert_parallel.*": refused("AutoEP expert parallelism", UNLESS_ENABLED),
     "use_data_before_expert_parallelism": noop(NO_MOE),
     "hybrid_engine.*": refused("the RLHF hybrid training/inference engine", UNLESS_ENABLED),
@@ -250,6 +258,7 @@ ALIASES: dict[str, str] = {
     "zero_optimization.allgather_sequential": "zero_optimization.stage3_allgather_sequential",
     "aio.intra_op_parallelism": "aio.thread_count",
     "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
 }
 
 

@@ -163,6 +163,26 @@ class PipelineConfig(Section):
         return value
 
 
+class TensorParallelConfig(Section):
+    """`tensor_parallel`: AutoTP training, which splits a Hugging Face (or Megatron-style) model's layers over
+    `autotp_size` ranks at `initialize` (shardwise.tensor_parallel)."""
+
+    autotp_size: int = Field(0, ge=0)
+    """Ranks each layer is split over; 0 and 1 leave the model whole."""
+    vocab_parallel_lm_head: bool | None = None
+    """Split the token embedding and LM head over the vocabulary (None: where the model has them); false keeps
+    them whole on every rank."""
+    partition_config: dict[str, Any] | None = None
+    """DeepSpeed's custom rules: {"use_default_specs": bool, "layer_specs": [{"patterns", "partition_type",
+    "shape"}]}."""
+    preset_model: str | None = None
+    """A built-in plan by architecture name, for models whose config does not say it."""
+
+    @property
+    def size(self) -> int:
+        return max(self.autotp_size, 1)
+
+
 class Config(Section, RawConfigView):
     """The root of a shardwise / DeepSpeed config, with the batch-size triangle solved; `get`/`[]`/`in`
     read the raw dict as given (see `raw_view.py`)."""
@@ -216,6 +236,7 @@ class Config(Section, RawConfigView):
     aio: AioConfig = AioConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

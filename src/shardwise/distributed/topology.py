@@ -1,9 +1,9 @@
 """One named `pipe × data × tensor` mesh from which every process group comes.
 
-`pipe` and `data` are exercised (pipeline × ZeRO data parallelism); tensor parallelism plugs into the same
-mesh later without reshaping it. Components receive a `Group` (the narrowest piece), never the topology.
-Ranks are laid out pipe-major, as DeepSpeed's `PipeDataParallelTopology` lays them out: global rank =
-(pipe × data + data) × tensor + tensor.
+Components receive a `Group` (the narrowest piece), never the topology. Ranks are laid out pipe-major with
+tensor fastest, as DeepSpeed's `PipeModelDataParallelTopology` lays them out: global rank =
+(pipe × data + data) × tensor + tensor, so a tensor-parallel group is adjacent ranks (one node's devices,
+where its per-layer all-reduces belong).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pipe", "data", "tensor")
+MODEL_AXIS = "model"
+"""DeepSpeed's and Megatron's name for the tensor axis, accepted by `ProcessTopology`."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class ProcessTopology:
     def __init__(self, axes: list[str], dims: list[int]):
         if len(axes) != len(dims) or any(not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"axes {axes} and dims {dims}: one positive size per axis is required.")
-        unknown = [a for a in axes if a not in AXES]
+        unknown = [a for a in axes if a not in AXES and a != MODEL_AXIS]
         if unknown:
             raise ValueError(f"axes: only {', '.join(AXES)} exist in shardwise's mesh; got {unknown}.")
         self.axes, self.dims = list(axes), list(dims)
@@ -85,14 +87,10 @@ class PipeDataParallelTopology(ProcessTopology):
 
 
 class PipeModelDataParallelTopology(ProcessTopology):
-    """DeepSpeed's pipe × data × model topology (Megatron-DeepSpeed builds it); `num_mp` must be 1 until
-    shardwise has tensor parallelism."""
+    """DeepSpeed's pipe × data × model topology (Megatron-DeepSpeed builds it); "model" is the tensor axis."""
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
-        if num_mp != 1:
-            raise NotImplementedError(f"num_mp: tensor (model) parallelism is not supported by shardwise yet; got "
-                                      f"{num_mp}. Use num_mp=1 (pipeline x data parallelism).")
-        super().__init__(["pipe", "data"], [num_pp, num_dp])
+        super().__init__(["pipe", "data", MODEL_AXIS], [num_pp, num_dp, num_mp])
 
 
 class Topology:
@@ -121,6 +119,15 @@ class Topology:
     @property
     def pipe(self) -> Group:
         return self.group("pipe")
+
+    @property
+    def tensor(self) -> Group:
+        return self.group("tensor")
+
+    @property
+    def model_parallel(self) -> list[Group]:
+        """The axes a model is split along (its gradient norm is summed over them): pipe and tensor, where > 1."""
+        return [g for g in (self.pipe, self.tensor) if g.size > 1]
 
     def pipe_peer(self, stage: int) -> int:
         """The global rank of pipeline stage `stage` with this rank's data and tensor coordinates."""

@@ -11,6 +11,7 @@ import torch
 from ..config import Config
 from ..distributed import Topology
 from ..precision import PrecisionPolicy
+from .tensor_shard import TensorShard
 from .strategy import ShardingStrategy
 
 
@@ -34,6 +35,8 @@ class TrainingEngine(Protocol):
     training_dataloader: Any
     """The loader `initialize(training_data=...)` built, or None."""
     checkpoint_writer: BackgroundSaver
+    tensor_shards: dict[str, TensorShard]
+    """Each tensor-parallel split parameter's place in the whole one, by name (empty without tensor parallelism)."""
     global_steps: int
     global_samples: int
     micro_steps: int

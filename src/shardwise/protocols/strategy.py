@@ -145,3 +145,6 @@ class StrategyInputs:
     prescale_gradients: bool
     gradient_predivide_factor: float
     aio: AioConfig = AioConfig()
+    counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None
+    """Whether a parameter's gradient counts in this rank's share of the norm (None: every one). Tensor
+    parallelism counts a replicated parameter on one tensor-parallel rank only."""

@@ -39,6 +39,7 @@ from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
 from ..profiling.throughput import ThroughputTimer
 from ..protocols import ShardingStrategy
+from ..tensor_parallel import TensorParallelModel, TensorShard
 from . import param_access
 from .call_checks import check_loss, explain_dtype_error
 from .deepspeed_surface import DeepSpeedSurface
@@ -58,6 +59,7 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         lr_scheduler: Any,
         device: torch.device,
         local_rank: int,
+        tensor_parallel: TensorParallelModel | None = None,
     ):
         super().__init__()
         self.module = strategy.module
@@ -67,6 +69,9 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self.precision = precision
         self.comm = comm
         self.lr_scheduler = lr_scheduler
+        self.tensor_parallel = tensor_parallel
+        self.tensor_shards: dict[str, TensorShard] = tensor_parallel.shards if tensor_parallel else {}
+        """Each tensor-parallel split parameter's place in the whole one (what checkpoints record)."""
         self.device = device
         self.local_rank = local_rank
         self.global_rank = dist.get_rank()
@@ -190,8 +195,16 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
         self._window_loss, self._window_tokens = 0.0, 0
 
     def _grad_norm(self) -> torch.Tensor:
-        """The norm over the whole model's gradients (a pipeline engine adds the other stages')."""
-        return self.strategy.grad_norm()
+        """The norm over the whole model's gradients: this rank's share, summed over the pipeline stages and
+        tensor-parallel ranks that hold the rest (tied and replicated weights are counted on one rank only)."""
+        norm = self.strategy.grad_norm()
+        axes = self.topology.model_parallel
+        if not axes:
+            return norm
+        squared = norm.float().pow(2).reshape(1).to(self.device)
+        for group in axes:
+            self.comm.all_reduce(squared, group).wait()
+        return squared.sqrt()[0]
 
     def _adopt_param_grads(self, caller: str) -> bool:
         """Take gradients that a backward not started by engine.backward left in `param.grad`, divided by

@@ -180,12 +180,6 @@ class PipelineEngine(Engine):
         raise PipelineError("engine.step(): a pipeline engine steps inside train_batch(); call train_batch(data_iter) "
                             "once per optimizer step.")
 
-    def _grad_norm(self) -> torch.Tensor:
-        """Every stage's share of the norm (tied weights are counted on their owner only)."""
-        squared = self.strategy.grad_norm().float().pow(2).reshape(1).to(self.device)
-        self.comm.all_reduce(squared, self.topology.pipe).wait()
-        return squared.sqrt()[0]
-
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> str | None:
         raise PipelineError("save_16bit_model(): each pipeline stage holds only its own layers, so no rank has the whole "
                             "model; save a checkpoint (engine.save_checkpoint) and consolidate it with `shardwise "

@@ -167,8 +167,11 @@ class Bucket:
 
 class GradBuckets:
     def __init__(self, buckets: list[Bucket], reducer: Reducer, overlap: bool = True,
-                 on_complete: Callable[[int], None] | None = None):
+                 on_complete: Callable[[int], None] | None = None,
+                 counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None):
         self.buckets = buckets
+        self._norm_ranges = None if counts_in_norm is None else [_counted_ranges(b, counts_in_norm) for b in buckets]
+        """Per bucket, the [start, end) ranges of its shard that count in this rank's norm (None: all of it)."""
         self.reducer = reducer
         self.overlap = overlap
         self.on_complete = on_complete
@@ -189,9 +192,11 @@ class GradBuckets:
 
     @classmethod
     def replicated(cls, params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,
-                   reducer: Reducer, overlap: bool = True) -> GradBuckets:
+                   reducer: Reducer, overlap: bool = True,
+                   counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None) -> GradBuckets:
         """Stage 0: every rank keeps and steps on whole buckets."""
-        return cls(plan_grad_buckets(params, reduce_bucket_size, dtype, partitioned=False), reducer, overlap)
+        return cls(plan_grad_buckets(params, reduce_bucket_size, dtype, partitioned=False), reducer, overlap,
+                   counts_in_norm=counts_in_norm)
 
     def begin(self, reduce: bool) -> None:
         """Called before each backward: `reduce` is true on micro-steps whose gradients are reduced."""
@@ -281,8 +286,11 @@ class GradBuckets:
         return [b.shard_grad for b in self.buckets]
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the reduced gradients, identical on every rank."""
-        return self.reducer.global_norm(self.shard_grads())
+        """The global L2 norm of the reduced gradients (of those that count here), identical on every rank."""
+        if self._norm_ranges is None:
+            return self.reducer.global_norm(self.shard_grads())
+        counted = [b.shard_grad[lo:hi] for b, ranges in zip(self.buckets, self._norm_ranges) for lo, hi in ranges]
+        return self.reducer.global_norm(counted)
 
     def zero(self) -> None:
         for bucket in self.buckets:
@@ -319,6 +327,17 @@ class BucketedGrads:
 
     def zero_grads(self) -> None:
         self.buckets.zero()
+
+
+def _counted_ranges(bucket: Bucket, counts: Callable[[torch.nn.Parameter], bool]) -> list[tuple[int, int]]:
+    """The ranges of `bucket`'s shard that hold gradients of parameters `counts` accepts."""
+    lo, hi = bucket.shard
+    ranges = []
+    for slot, param in zip(bucket.layout.slots, bucket.params):
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end and counts(param):
+            ranges.append((start - lo, end - lo))
+    return ranges
 
 
 def plan_grad_buckets(params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,

@@ -62,7 +62,8 @@ class DataParallel(BucketedGrads):
         averaging = GradAveraging.make(inputs.dp_group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         reducer = AllReduceMean(inputs.comm, inputs.dp_group, averaging, precision.reduce_dtype)
         self.buckets = GradBuckets.replicated(self.params, inputs.zero.reduce_bucket_size, precision.grad_accum_dtype,
-                                              reducer, overlap=inputs.zero.overlap_comm)
+                                              reducer, overlap=inputs.zero.overlap_comm,
+                                              counts_in_norm=inputs.counts_in_norm)
         views = {id(p): b.slot_view(i).view_as(p) for b in self.buckets.buckets for i, p in enumerate(b.params)}
         self._grad_views = [views[id(p)] for p in self.params]
 

@@ -53,7 +53,7 @@ class ShardedDataParallel(BucketedGrads):
             self.module.to(dtype=self.precision.param_dtype)  # frozen parameters and buffers
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2)
-        self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm)
+        self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm, counts_in_norm=inputs.counts_in_norm)
         self.optimizer = inputs.make_optimizer(self._master_groups(inputs.param_groups))
         self.offload.bind(self.optimizer)
 

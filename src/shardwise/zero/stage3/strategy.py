@@ -58,7 +58,8 @@ class Stage3(BucketedGrads):
         buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
                           partitioned=True) for u in reversed(self.trainable)]
         self._bucket_unit = list(reversed(self.trainable))
-        self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete)
+        self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
+                                   counts_in_norm=inputs.counts_in_norm)
         self.hooks = Stage3Hooks(self.module, units_by_module(self.module, self.units), self.live,
                                  zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                                  zero.stage3_max_reuse_distance)

@@ -1,0 +1,57 @@
+"""How `initialize` decides the tensor-parallel size and splits the model (shardwise.tensor_parallel).
+
+The size comes from any of: the config's `tensor_parallel.autotp_size`, `tp_model_init(model, tp_size)`, a
+Megatron-style `mpu`; those given (> 1) must agree. AutoTP splits the model when the config or
+`tp_model_init` asks for it; an mpu alone means the user's layers are split already.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..config.sections import TensorParallelConfig
+from ..distributed import Topology
+from ..tensor_parallel import TensorLink, TensorParallelError, TensorParallelModel, parallelize, resolve_plan
+from ..tensor_parallel.megatron import check_mpu_groups, megatron_split, mpu_tensor_size, recorded_init
+
+
+def tensor_parallel_size(raw: dict[str, Any], model: torch.nn.Module, mpu: Any) -> int:
+    section = raw.get("tensor_parallel") or {}
+    sources = {"tensor_parallel.autotp_size": section.get("autotp_size", 0) if isinstance(section, dict) else 0}
+    recorded = recorded_init(model)
+    if recorded is not None:
+        sources["tp_model_init(tp_size=...)"] = recorded["tp_size"]
+    if mpu is not None:
+        sources["mpu's model-parallel world size"] = mpu_tensor_size(mpu)
+    sizes = {k: v for k, v in sources.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    if len(set(sizes.values())) > 1:
+        raise ConfigError([f"tensor_parallel: the tensor-parallel sizes given differ ({sizes}); give one size."])
+    return next(iter(sizes.values()), 1)
+
+
+def data_parallel_size(world: int, pipe: int, tensor: int) -> int:
+    if world % (pipe * tensor):
+        raise ConfigError([f"tensor_parallel.autotp_size: {pipe} pipeline stage(s) x {tensor} tensor-parallel ranks = "
+                           f"{pipe * tensor} does not divide the world size ({world}); choose sizes whose product "
+                           "divides the number of processes."])
+    return world // (pipe * tensor)
+
+
+def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, link: TensorLink,
+                topology: Topology) -> TensorParallelModel | None:
+    """Split `model` in place over `link`'s group; None when the tensor-parallel size is 1."""
+    if mpu is not None:
+        check_mpu_groups(mpu, topology.tensor.pg, topology.data.pg)
+    if link.size == 1:
+        return None
+    if config.autotp_size <= 1 and recorded_init(model) is None:
+        return megatron_split(model, link)  # an mpu's own layers
+    if any(getattr(p, "ds_id", None) is not None for p in model.parameters()):
+        raise TensorParallelError("tensor_parallel: the model was built under zero.Init (its parameters are ZeRO-3 "
+                                  "partitioned), so AutoTP cannot split it; build it normally and let ZeRO-3 "
+                                  "partition the tensor-parallel shards at initialize.")
+    rules = resolve_plan(model, config.partition_config, config.preset_model, config.vocab_parallel_lm_head)
+    return parallelize(model, rules, link)

@@ -1,0 +1,117 @@
+"""Which module of a model is split how: a plan is a list of rules (a regex on module names and a style).
+
+AutoTP's sources, first match wins:
+1. the config's `tensor_parallel.partition_config.layer_specs` (DeepSpeed's keys: `patterns`, `partition_type`
+   "column" | "row" | "skip", `shape` for fused projections);
+2. `tensor_parallel.preset_model`, or the model's own `config.model_type`, among the built-in plans below;
+3. the Hugging Face model config's `base_model_tp_plan` (every architecture transformers can split itself).
+Vocabulary-parallel embeddings and LM head are added to every Hugging Face plan unless
+`vocab_parallel_lm_head` is false.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .styles import COLWISE, EMBEDDING, GRAD_SUM, LM_HEAD, ROWWISE, TensorParallelError
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    """A regex matched against the whole dotted module name (a match anywhere after a dot counts)."""
+    style: str
+    blocks: int = 1
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(rf"(?:.*\.)?(?:{self.pattern})", name) is not None
+
+
+def _attn_mlp(attn: str, cols: str, row: str, mlp_cols: str, mlp_row: str, blocks: int = 1) -> list[Rule]:
+    return [Rule(rf"{attn}\.(?:{cols})", COLWISE, blocks), Rule(rf"{attn}\.{row}", ROWWISE),
+            Rule(mlp_cols, COLWISE), Rule(mlp_row, ROWWISE)]
+
+
+_LLAMA = _attn_mlp(r"layers\.\d+\.self_attn", "q_proj|k_proj|v_proj", "o_proj",
+                   r"layers\.\d+\.mlp\.(?:gate_proj|up_proj)", r"layers\.\d+\.mlp\.down_proj")
+BUILT_IN: dict[str, list[Rule]] = {
+    "llama": _LLAMA, "qwen2": _LLAMA, "mistral": _LLAMA,
+    "qwen3": _LLAMA + [Rule(r"layers\.\d+\.self_attn\.(?:q_norm|k_norm)", GRAD_SUM)],
+    "gpt2": [Rule(r"h\.\d+\.attn\.c_attn", COLWISE, 3), Rule(r"h\.\d+\.attn\.c_proj", ROWWISE),
+             Rule(r"h\.\d+\.mlp\.c_fc", COLWISE), Rule(r"h\.\d+\.mlp\.c_proj", ROWWISE)],
+    "opt": _attn_mlp(r"layers\.\d+\.self_attn", "q_proj|k_proj|v_proj", "out_proj",
+                     r"layers\.\d+\.fc1", r"layers\.\d+\.fc2"),
+    "bert": [Rule(r"layer\.\d+\.attention\.self\.(?:query|key|value)", COLWISE),
+             Rule(r"layer\.\d+\.attention\.output\.dense", ROWWISE),
+             Rule(r"layer\.\d+\.intermediate\.dense", COLWISE), Rule(r"layer\.\d+\.output\.dense", ROWWISE)],
+}
+BUILT_IN["roberta"] = BUILT_IN["bert"]
+
+VOCAB_RULES = [Rule(r"embed_tokens|wte|word_embeddings", EMBEDDING), Rule(r"lm_head|cls\.predictions\.decoder", LM_HEAD)]
+
+HF_STYLES = {"colwise": (COLWISE, 1), "colwise_rep": (COLWISE, 1), "local_colwise": (COLWISE, 1),
+             "rowwise": (ROWWISE, 1), "rowwise_rep": (ROWWISE, 1), "local_rowwise": (ROWWISE, 1),
+             "packed_colwise": (COLWISE, 2), "replicated_with_grad_allreduce": (GRAD_SUM, 1)}
+HEAD_COUNTS = ("num_heads", "split_size")
+"""Attributes of an attention module that count its (now split) heads or channels: divided by the size."""
+
+
+def hf_config(model: torch.nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, preset: str | None = None,
+                 vocab_parallel: bool | None = None) -> list[Rule]:
+    """The rules AutoTP applies to `model` (see the module docstring); raises naming what is missing."""
+    config = hf_config(model)
+    model_type = preset or getattr(config, "model_type", None)
+    rules: list[Rule] = []
+    if partition_config:
+        rules += _layer_spec_rules(partition_config)
+        if not partition_config.get("use_default_specs", True):
+            return rules
+    if model_type in BUILT_IN:
+        rules += BUILT_IN[model_type]
+    elif getattr(config, "base_model_tp_plan", None):
+        rules += _from_hf(config.base_model_tp_plan)
+    elif not rules:
+        raise TensorParallelError(
+            f"tensor_parallel: no AutoTP plan for model type {model_type!r} ({type(model).__name__}); built in: "
+            f"{', '.join(sorted(BUILT_IN))}, or any transformers model whose config has a base_model_tp_plan. Give "
+            "one with tensor_parallel.partition_config.layer_specs ({\"patterns\": [regex], \"partition_type\": "
+            "\"column\"|\"row\"}).")
+    if vocab_parallel is not False and config is not None:
+        rules += VOCAB_RULES
+    return rules
+
+
+def _from_hf(plan: dict[str, str]) -> list[Rule]:
+    rules = []
+    for key, style in plan.items():
+        if style not in HF_STYLES:
+            raise TensorParallelError(f"base_model_tp_plan: {key!r} asks for {style!r}, which shardwise does not "
+                                      f"split (it knows {', '.join(HF_STYLES)}); give a partition_config instead.")
+        pattern = re.escape(key).replace(r"\*", r"\d+")
+        rules.append(Rule(pattern, *HF_STYLES[style]))
+    return rules
+
+
+def _layer_spec_rules(partition_config: dict) -> list[Rule]:
+    rules = []
+    for spec in partition_config.get("layer_specs", []):
+        kind = spec.get("partition_type")
+        styles = {"column": COLWISE, "row": ROWWISE, "skip": None}
+        if kind not in styles:
+            raise TensorParallelError(f"tensor_parallel.partition_config.layer_specs: partition_type {kind!r}; one of "
+                                      "'column', 'row', 'skip'.")
+        shape = spec.get("shape")
+        blocks = int(shape[0]) if shape and shape[0] not in (-1, None) else 1
+        for pattern in spec.get("patterns", []):
+            # DeepSpeed's patterns name parameters ("...o_proj.weight"): a rule here names the module
+            module_pattern = re.sub(r"\\?\.(?:weight|bias)\$?$", "", pattern).removeprefix(".*\\.").removeprefix("^")
+            rules.append(Rule(module_pattern, styles[kind] or "skip", blocks))
+    return rules
