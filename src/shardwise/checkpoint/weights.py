@@ -13,6 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..protocols import TrainingEngine
+from ..tensor_parallel.shard import assemble
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,41 @@ def consolidated_state_dict(engine: TrainingEngine, exclude_frozen: bool = False
     if stage != 3:  # DeepSpeed's rule for this name: it is ZeRO-3's gather
         raise ValueError(f"_zero3_consolidated_16bit_state_dict: requires ZeRO stage 3; got stage {stage}. Below "
                          "stage 3 every rank holds whole weights: use engine.module.state_dict().")
-    return engine.strategy.consolidated_state_dict(exclude_frozen)
+    return whole_weights(engine, exclude_frozen)
+
+
+def whole_weights(engine: TrainingEngine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights in the training dtype on global rank 0 (None elsewhere), under any layout:
+    DeepSpeed's `_consolidated_16bit_state_dict`. A collective: every rank calls it."""
+    if not engine.tensor_shards:
+        return engine.strategy.consolidated_state_dict(exclude_frozen)
+    if engine.config.zero_optimization.stage == 3:
+        raise CheckpointError("save_16bit_model: whole weights of a tensor-parallel model at ZeRO stage 3 are not "
+                              "gathered in memory; save a checkpoint (engine.save_checkpoint) and run `shardwise "
+                              "checkpoint consolidate`, which reassembles every split parameter by name.")
+    return _gather_tensor_parallel(engine, exclude_frozen)
+
+
+def _gather_tensor_parallel(engine: TrainingEngine, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
+    """Each split parameter gathered over its tensor-parallel group (parameters are whole over data-parallel ranks
+    below stage 3), assembled on global rank 0 under every name it has (tied weights)."""
+    group, shards = engine.topology.tensor, engine.tensor_shards
+    params = dict(engine.module.named_parameters())
+    whole: dict[int, torch.Tensor] = {}
+    for name in sorted(shards):  # the same order on every rank
+        local = params[name].detach().contiguous()
+        flat = torch.empty(group.size * local.numel(), dtype=local.dtype, device=local.device)
+        engine.comm.all_gather(flat, local.view(-1), group).wait()
+        whole[id(params[name])] = assemble(list(flat.view(group.size, *local.shape).unbind(0)), shards[name].dim,
+                                           shards[name].blocks)
+    if dist.get_rank() != 0:
+        return None
+    frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = {k: v for k, v in engine.module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if name in state and id(param) in whole:
+            state[name] = whole[id(param)]
+    return state
 
 
 def refuse_placeholders(state: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
@@ -67,7 +102,7 @@ def save_16bit_model(engine: TrainingEngine, save_dir: str, save_filename: str, 
                        "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (it gathers the whole "
                        "model on every rank), or use save_checkpoint, whose shards any layout can load.")
         return None
-    state = engine.strategy.consolidated_state_dict(exclude_frozen)
+    state = whole_weights(engine, exclude_frozen)
     path = Path(save_dir) / save_filename
     if state is not None:  # global rank 0
         refuse_placeholders(state, engine.module)

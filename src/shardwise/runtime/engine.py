@@ -43,12 +43,13 @@ from ..tensor_parallel import TensorParallelModel, TensorShard
 from . import param_access
 from .call_checks import check_loss, explain_dtype_error
 from .deepspeed_surface import DeepSpeedSurface
+from .weights_surface import ConsolidatedWeights
 from .step import NonFiniteGradientError, StepResult, take_step
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(DeepSpeedSurface, torch.nn.Module):
+class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
     def __init__(
         self,
         config: Config,
@@ -277,28 +278,10 @@ class Engine(DeepSpeedSurface, torch.nn.Module):
 
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
 
-    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
-        """DeepSpeed's older name of `save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename)
-
     def destroy(self) -> None:
         """Finish a background save and release what the engine holds outside memory (NVMe swap files)."""
         self.checkpoint_writer.wait()
         self.strategy.close()
-
-    # --- consolidated weights (DeepSpeed's names; Hugging Face's Trainer and accelerate call them at ZeRO-3) ---
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> str | None:
-        """Consolidated weights in the training dtype (safetensors), e.g. for `from_pretrained`; every rank calls it."""
-        from ..checkpoint.weights import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
-        """ZeRO-3's whole weights on rank 0 (None on the other ranks); every rank must call it."""
-        from ..checkpoint.weights import consolidated_state_dict
-
-        return consolidated_state_dict(self, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -188,6 +188,9 @@ class PipelineEngine(Engine):
     def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor] | None:
         return self.save_16bit_model()
 
+    def _consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor] | None:
+        return self.save_16bit_model()
+
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any]]:
         loaded = super().load_checkpoint(*args, **kwargs)
         self.tied.sync_weights()  # only the owner's copy is in the checkpoint
