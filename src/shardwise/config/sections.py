@@ -177,6 +177,9 @@ class TensorParallelConfig(Section):
     "shape"}]}."""
     preset_model: str | None = None
     """A built-in plan by architecture name, for models whose config does not say it."""
+    sequence_parallel: bool = False
+    """(shardwise) Norms, residuals and dropout between the split layers hold 1/autotp_size of the tokens
+    (LLaMA-family plans): the same bytes on the wire, less activation memory."""
 
     @property
     def size(self) -> int:

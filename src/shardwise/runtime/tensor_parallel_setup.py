@@ -53,5 +53,6 @@ def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, 
         raise TensorParallelError("tensor_parallel: the model was built under zero.Init (its parameters are ZeRO-3 "
                                   "partitioned), so AutoTP cannot split it; build it normally and let ZeRO-3 "
                                   "partition the tensor-parallel shards at initialize.")
-    rules = resolve_plan(model, config.partition_config, config.preset_model, config.vocab_parallel_lm_head)
-    return parallelize(model, rules, link)
+    rules = resolve_plan(model, config.partition_config, config.preset_model, config.vocab_parallel_lm_head,
+                         config.sequence_parallel)
+    return parallelize(model, rules, link, config.sequence_parallel)

@@ -45,11 +45,12 @@ class TensorParallelModel:
         return self.link.rank == 0 or self.is_split(param)
 
 
-def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> TensorParallelModel:
+def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink,
+                sequence_parallel: bool = False) -> TensorParallelModel:
     """Split `model` in place: modules that declare a `tp_style` (shardwise.tensor_parallel.layers) and those a
     rule matches (first rule wins; "skip" leaves a module whole)."""
     _check_heads(model, link.size)
-    sharder = Sharder(link)
+    sharder = Sharder(link, sequence_parallel)
     result = TensorParallelModel(link)
     divided: set[str] = set()
     for name, module in list(model.named_modules()):
@@ -66,7 +67,7 @@ def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> 
     by_id = {id(p): n for n, p in model.named_parameters()}
     result.shards = {by_id[i]: shard for i, shard in sharder.shards.items() if i in by_id}
     result.split_ids = set(sharder.shards)
-    result.replaced = dict(sharder.replaced)
+    result.replaced = {i: new for i, (_, new) in sharder.replaced.items()}
     if not result.split_modules:
         raise TensorParallelError(f"tensor_parallel: the plan matched no module of {type(model).__name__}, so nothing "
                                   "would be split; check partition_config's patterns against model.named_modules().")

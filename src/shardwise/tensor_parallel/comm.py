@@ -1,10 +1,17 @@
-"""The four Megatron communication ops as autograd functions, over the collectives choke point.
+"""Megatron's communication ops as autograd functions, over the collectives choke point.
 
 Each is the adjoint of another: what one does forward, its partner does backward.
 - `copy_in`: forward identity, backward all-reduce (a column-parallel layer's input, used by every shard).
 - `reduce_out`: forward all-reduce, backward identity (a row-parallel layer's partial sums).
 - `gather_last`: forward all-gather along the last dim, backward this rank's slice (logits made whole).
 - `split_last`: forward this rank's slice, backward all-gather.
+Sequence parallelism (activations outside the split layers hold 1/size of the tokens) replaces the first two:
+- `gather_seq`: forward all-gather along the sequence, backward reduce-scatter (a column-parallel input), or this
+  rank's tokens where what follows is computed whole on every rank (the end of the region);
+- `reduce_scatter_seq`: forward reduce-scatter along the sequence, backward all-gather (a row-parallel output);
+- `scatter_seq`: forward this rank's tokens, backward all-gather (where the sequence-parallel region begins).
+An all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same; the memory of norms,
+dropout and residuals is divided by the size.
 Every collective goes through `Collectives`, so it is counted in the comms log and bounded by the timeout.
 """
 
@@ -39,15 +46,30 @@ class TensorLink:
         return tensor
 
     def all_gather_last(self, local: torch.Tensor) -> torch.Tensor:
-        local = local.detach().contiguous()
-        # a fresh flat buffer, not a view: the choke point may fill it from another thread, where a view made
-        # under this autograd function's no_grad would be refused
-        flat = torch.empty(self.size * local.numel(), dtype=local.dtype, device=local.device)
-        self.comm.all_gather(flat, local.reshape(-1), self.group).wait()
-        return torch.cat(flat.view(self.size, *local.shape).unbind(0), dim=-1)
+        return self.all_gather_dim(local, -1)
 
     def slice_last(self, full: torch.Tensor) -> torch.Tensor:
         return full.chunk(self.size, dim=-1)[self.rank].contiguous()
+
+    def all_gather_dim(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        local = local.detach().contiguous()
+        # a fresh flat buffer, not a view: the choke point may fill it from another thread, where a view made
+        # under an autograd function's no_grad would be refused
+        flat = torch.empty(self.size * local.numel(), dtype=local.dtype, device=local.device)
+        self.comm.all_gather(flat, local.reshape(-1), self.group).wait()
+        return torch.cat(flat.view(self.size, *local.shape).unbind(0), dim=dim)
+
+    def reduce_scatter_dim(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        flat = torch.stack(self.chunks(full.detach(), dim)).reshape(-1)  # rank r's chunk is the r-th block
+        out = torch.empty(flat.numel() // self.size, dtype=full.dtype, device=full.device)
+        self.comm.reduce_scatter(out, flat, self.group).wait()
+        return out.view(self.chunks(full, dim)[0].shape)
+
+    def chunks(self, full: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        if full.shape[dim] % self.size:
+            raise ValueError(f"sequence parallelism: a sequence of {full.shape[dim]} tokens cannot be split over "
+                             f"{self.size} tensor-parallel ranks; pad the sequence length to a multiple of {self.size}.")
+        return full.chunk(self.size, dim=dim)
 
 
 class _CopyIn(torch.autograd.Function):
@@ -91,6 +113,61 @@ class _SplitLast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.link.all_gather_last(grad), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int, partial_grad: bool) -> torch.Tensor:
+        ctx.link, ctx.dim, ctx.partial_grad = link, dim, partial_grad
+        return link.all_gather_dim(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        link = ctx.link
+        if ctx.partial_grad:
+            return link.reduce_scatter_dim(grad, ctx.dim), None, None, None
+        return link.chunks(grad, ctx.dim)[link.rank].contiguous(), None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int) -> torch.Tensor:
+        ctx.link, ctx.dim = link, dim
+        return link.reduce_scatter_dim(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.link.all_gather_dim(grad, ctx.dim), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int) -> torch.Tensor:
+        ctx.link, ctx.dim = link, dim
+        return link.chunks(x, dim)[link.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.link.all_gather_dim(grad, ctx.dim), None, None
+
+
+SEQ_DIM = 1
+"""Activations are [batch, sequence, hidden]."""
+
+
+def gather_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM, partial_grad: bool = True) -> torch.Tensor:
+    """`partial_grad`: the gathered tensor feeds split layers, so each rank's gradient is a partial sum (summed by
+    the backward reduce-scatter); false where every rank computes the same thing from it (the gradient is then
+    whole on every rank and each keeps its tokens' part)."""
+    return _GatherSeq.apply(x, link, dim, partial_grad) if link.size > 1 else x
+
+
+def reduce_scatter_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM) -> torch.Tensor:
+    return _ReduceScatterSeq.apply(x, link, dim) if link.size > 1 else x
+
+
+def scatter_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM) -> torch.Tensor:
+    return _ScatterSeq.apply(x, link, dim) if link.size > 1 else x
 
 
 def copy_in(x: torch.Tensor, link: TensorLink) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .styles import COLWISE, EMBEDDING, GRAD_SUM, LM_HEAD, ROWWISE, TensorParallelError
+from .styles import COLWISE, EMBEDDING, GRAD_SUM, LM_HEAD, ROWWISE, SEQ_ENTER, SEQ_GATHER, SEQ_SCATTER, TensorParallelError
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ BUILT_IN: dict[str, list[Rule]] = {
 }
 BUILT_IN["roberta"] = BUILT_IN["bert"]
 
+SEQUENCE_PARALLEL: dict[str, list[Rule]] = dict.fromkeys(
+    ("llama", "qwen2", "qwen3", "mistral"),
+    [Rule(r"layers\.0", SEQ_SCATTER), Rule(r"layers\.\d+\.(?:self_attn|mlp)", SEQ_ENTER), Rule(r"norm", SEQ_GATHER),
+     Rule(r"layers\.\d+\.(?:input_layernorm|post_attention_layernorm)", GRAD_SUM)])
+"""Sequence parallelism: the decoder layers run on 1/size of the tokens between their split layers (the mask
+and rotary embeddings are built whole before the first layer), and the final norm's output is made whole."""
+
 VOCAB_RULES = [Rule(r"embed_tokens|wte|word_embeddings", EMBEDDING), Rule(r"lm_head|cls\.predictions\.decoder", LM_HEAD)]
 
 HF_STYLES = {"colwise": (COLWISE, 1), "colwise_rep": (COLWISE, 1), "local_colwise": (COLWISE, 1),
@@ -65,11 +72,16 @@ def hf_config(model: torch.nn.Module) -> Any:
 
 
 def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, preset: str | None = None,
-                 vocab_parallel: bool | None = None) -> list[Rule]:
+                 vocab_parallel: bool | None = None, sequence_parallel: bool = False) -> list[Rule]:
     """The rules AutoTP applies to `model` (see the module docstring); raises naming what is missing."""
     config = hf_config(model)
     model_type = preset or getattr(config, "model_type", None)
     rules: list[Rule] = []
+    if sequence_parallel:
+        if model_type not in SEQUENCE_PARALLEL:
+            raise TensorParallelError(f"tensor_parallel.sequence_parallel: built for {', '.join(SEQUENCE_PARALLEL)} "
+                                      f"models; got model type {model_type!r}. Set it to false.")
+        rules += SEQUENCE_PARALLEL[model_type]
     if partition_config:
         rules += _layer_spec_rules(partition_config)
         if not partition_config.get("use_default_specs", True):
