@@ -84,7 +84,7 @@ class CheckpointReader:
         elif shard is not None and saved == shard.describe():
             self._read_range(name, kind, shard.rank, start, end, out)
         else:
-            whole = self._whole(name, kind)
+            whole = self._whole(name, kind, keep=True)
             local = take(whole, shard) if shard is not None else whole
             out.copy_(local.reshape(-1)[start:end])
 
@@ -104,9 +104,10 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: {name!r} (shape {self.shape(name)}){where} has no {kind!r} for "
                                   f"elements [{start}, {end}).")
 
-    def _whole(self, name: str, kind: str) -> torch.Tensor:
-        """The whole parameter (fp32), assembled from its tensor-parallel parts; the last one is kept, since a
-        rank usually reads several kinds or ranges of one parameter in a row."""
+    def _whole(self, name: str, kind: str, keep: bool = False) -> torch.Tensor:
+        """The whole parameter (fp32), assembled from its tensor-parallel parts. With `keep` the last one is kept,
+        since a rank loading a piece usually reads several ranges of one parameter in a row (consolidation reads
+        each once and keeps nothing: its peak is two tensors)."""
         if self._cached_whole is not None and self._cached_whole[0] == (name, kind):
             return self._cached_whole[1]
         entry, shape = self.meta["params"][name], self.shape(name)
@@ -120,7 +121,8 @@ class CheckpointReader:
             for rank, part in enumerate(parts):
                 self._read_range(name, kind, rank, 0, part.numel(), part.view(-1))
             whole = assemble(parts, saved["dim"], saved["blocks"])
-        self._cached_whole = ((name, kind), whole)
+        if keep:
+            self._cached_whole = ((name, kind), whole)
         return whole
 
     def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
