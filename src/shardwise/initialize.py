@@ -79,7 +79,7 @@ def initialize(
     check_ranks_agree(cfg, model, groups, device, model.describe() if pipe > 1 else None)
     topology = Topology(device.type, pipe=pipe, tensor=tensor)
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
-    split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology)
+    split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology, device)
     if split is not None:
         groups = split.remap(groups)
     model.to(device)

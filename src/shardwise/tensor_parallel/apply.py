@@ -45,9 +45,11 @@ class TensorParallelModel:
         return self.link.rank == 0 or self.is_split(param)
 
 
-def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> TensorParallelModel:
+def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink,
+                require_match: bool = True) -> TensorParallelModel:
     """Split `model` in place: modules that declare a `tp_style` (shardwise.tensor_parallel.layers) and those a
-    rule matches (first rule wins; "skip" leaves a module whole)."""
+    rule matches (first rule wins; "skip" leaves a module whole). Splitting nothing is refused unless not
+    `require_match` (one pipeline stage may hold only whole layers; the caller checks the stages together)."""
     _check_heads(model, link.size)
     sharder = Sharder(link)
     result = TensorParallelModel(link)
@@ -67,7 +69,7 @@ def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> 
     result.shards = {by_id[i]: shard for i, shard in sharder.shards.items() if i in by_id}
     result.split_ids = set(sharder.shards)
     result.replaced = dict(sharder.replaced)
-    if not result.split_modules:
+    if not result.split_modules and require_match:
         raise TensorParallelError(f"tensor_parallel: the plan matched no module of {type(model).__name__}, so nothing "
                                   "would be split; check partition_config's patterns against model.named_modules().")
     logger.info("tensor parallel: split %d modules over %d ranks", len(result.split_modules), link.size)
