@@ -60,7 +60,14 @@ def _train(stages: int, tp: int, zero: int, start: int, steps: int, save_dir: st
 def _grid_answers(grid) -> dict:
     import torch.distributed as dist
 
-    return {"stage": grid.get_stage_id(), "data": grid.get_data_parallel_rank(),
+    from shardwise.distributed import groups  # deepspeed.utils.groups
+
+    return {"groups_getters": (groups.get_tensor_model_parallel_rank(), groups.get_tensor_model_parallel_world_size(),
+                               groups.get_tensor_model_parallel_src_rank(), groups.get_data_parallel_rank(),
+                               groups.get_data_parallel_world_size(), groups.get_model_parallel_world_size(),
+                               dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()),
+                               dist.get_process_group_ranks(groups.get_data_parallel_group())),
+            "stage": grid.get_stage_id(), "data": grid.get_data_parallel_rank(),
             "tensor": (grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size(),
                        grid.get_tensor_model_parallel_rank(), grid.get_tensor_model_parallel_world_size()),
             "model": (grid.get_model_parallel_rank(), grid.get_model_parallel_world_size()),
@@ -131,6 +138,8 @@ def test_tp2_pp2_dp2_grid_answers_the_tensor_axis(three_d):
                                "data": [stage * 4 + tensor, stage * 4 + 2 + tensor]}
         assert g["stage_to_global"] == g["groups"]["pipe"]
         assert g["topology"] == (["pipe", "data", "model"], {"pipe": stage, "data": data, "model": tensor})
+        # deepspeed.utils.groups: "model parallel" there is the tensor axis, as in DeepSpeed 0.19.8
+        assert g["groups_getters"] == (tensor, 2, rank - tensor, data, 2, 2, g["groups"]["slice"], g["groups"]["data"])
 
 
 def test_tp2_pp2_dp2_checkpoint_resumes_at_tp1_pp1_dp2(three_d, oracle):

@@ -48,7 +48,7 @@ def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, 
                 topology: Topology, device: torch.device) -> TensorParallelModel | None:
     """Split `model` in place over `link`'s group; None when the tensor-parallel size is 1."""
     if mpu is not None:
-        check_mpu_groups(mpu, topology.tensor.pg, topology.data.pg)
+        _check_mpu(mpu, link.comm, topology, device)
     if link.size == 1:
         return None
     if config.autotp_size <= 1 and recorded_init(model) is None:
@@ -64,6 +64,24 @@ def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, 
     if stage_only:
         _check_some_stage_split(split, link.comm, topology.pipe, device)
     return split
+
+
+def _check_mpu(mpu: Any, comm: Collectives, topology: Topology, device: torch.device) -> None:
+    """Refuse an mpu whose groups are not shardwise's on every rank together: a rank whose own groups match would
+    otherwise go on to the first collective and wait there for the ranks that raised."""
+    try:
+        check_mpu_groups(mpu, topology.tensor.pg, topology.data.pg)
+        problem = None
+    except TensorParallelError as e:
+        problem = e
+    failed = torch.tensor([int(problem is not None)], dtype=torch.int64, device=device)
+    comm.all_reduce(failed, topology.world).wait()
+    if problem is not None:
+        raise problem
+    if failed.item():
+        raise TensorParallelError(f"mpu: its groups differ from shardwise's on {failed.item()} other rank(s), though "
+                                  "not on this one; see those ranks' errors, and build the mpu's groups with adjacent "
+                                  "ranks in a tensor group, as Megatron does.")
 
 
 def _check_some_stage_split(split: TensorParallelModel, comm: Collectives, pipe: Group, device: torch.device) -> None:
