@@ -137,3 +137,96 @@ def pipe_run(stages: int, config: dict, steps: int, blocks: int = 6, tied: bool 
               for step in range(steps)]
     return {"losses": losses, "stage": engine.stage_id, "engine": engine,
             "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+
+
+# --- a tiny Megatron-style GPT for 3D (pipe x tensor x data) tests ---------------------------------------------
+# Written with shardwise.tensor_parallel.layers: whole torch layers that initialize splits over the tensor-parallel
+# group (autotp_size), so at tensor-parallel size 1, built layer by layer in one process, they are the oracle.
+VOCAB, GPT_WIDTH, HEADS, SEQ = 32, 16, 4, 6
+
+
+class GPTEmbed(torch.nn.Module):
+    def __init__(self, vocab: int, width: int, seq: int):
+        from shardwise.tensor_parallel import VocabParallelEmbedding
+
+        super().__init__()
+        self.tokens = VocabParallelEmbedding(vocab, width)
+        self.positions = torch.nn.Embedding(seq, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions.weight[: ids.shape[1]]
+
+
+class GPTBlock(torch.nn.Module):
+    """Pre-norm attention and MLP. qkv's output features are head-major ([head][q, k, v][head_dim], Megatron's
+    layout), so a column split hands each tensor-parallel rank whole heads: it attends over out_features //
+    (3 * head_dim) of them. qkv has no bias: a key bias's gradient is zero in exact arithmetic (it adds the same
+    q.b to every score of a row), so Adam would turn its rounding noise into lr-sized steps that no two
+    summation orders share."""
+
+    def __init__(self, width: int, heads: int):
+        from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.head_dim = width // heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = ColumnParallelLinear(width, 3 * width, bias=False), RowParallelLinear(width, width)
+        self.fc1, self.fc2 = ColumnParallelLinear(width, 4 * width), RowParallelLinear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, -1))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPTHead(torch.nn.Module):
+    def __init__(self, width: int, vocab: int):
+        from shardwise.tensor_parallel import ColumnParallelLinear
+
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.lm_head = ColumnParallelLinear(width, vocab, bias=False, gather_output=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def gpt_specs(blocks: int = 2) -> list[Any]:
+    from shardwise.pipe import LayerSpec
+
+    return [LayerSpec(GPTEmbed, VOCAB, GPT_WIDTH, SEQ), *[LayerSpec(GPTBlock, GPT_WIDTH, HEADS) for _ in range(blocks)],
+            LayerSpec(GPTHead, GPT_WIDTH, VOCAB)]
+
+
+def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def gpt_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their next tokens."""
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=torch.Generator().manual_seed(700 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def gpt_micro_batches(step: int, micro: int, accum: int, dp_rank: int, dp: int):
+    """Data-parallel rank `dp_rank`'s micro-batches of step `step` (every tensor-parallel rank reads the same)."""
+    x, y = gpt_batch(step, micro * accum * dp)
+    for m in range(accum):
+        start = (m * dp + dp_rank) * micro
+        yield x[start : start + micro], y[start : start + micro]
+
+
+def gpt_oracle_run(steps: int, batch: int, lr: float, clip: float = 0.0, blocks: int = 2,
+                   optimizer: str = "adamw") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole GPT trained in one process (pipe_config's optimizers); the final parameters by the
+    PipelineModule's names ("1.qkv.weight")."""
+    model = Oracle(gpt_specs(blocks))
+    opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01))
+    losses = []
+    for step in range(steps):
+        x, y = gpt_batch(step, batch)
+        losses.append(oracle_step(model, opt, gpt_loss(model(x), y), clip))
+    return losses, {n.removeprefix("layers."): p.detach().clone() for n, p in model.named_parameters()}

@@ -18,6 +18,7 @@ _PUBLIC = {
     "ConfigError": ".config.errors",
     "Engine": ".runtime.engine",
     "PipelineEngine": ".runtime.pipe_engine",
+    "tp_model_init": ".tensor_parallel.megatron",
 }
 
 _SUBMODULES = ("pipe", "zero")

@@ -17,6 +17,7 @@ from .config import Config, ConfigError, parse_config
 from .config.parse import load_raw
 from .config.notes import note_once
 from .distributed import Collectives, Group, Topology, init_distributed
+from .distributed.groups import record as record_groups
 from .monitor.console import ensure_console_handler
 from .optim.param_groups import check_model_parameters
 from .optim.registry import build_optimizer, build_scheduler, check_optimizer, check_scheduler
@@ -78,8 +79,9 @@ def initialize(
     # before any collective that would hang on a difference
     check_ranks_agree(cfg, model, groups, device, model.describe() if pipe > 1 else None)
     topology = Topology(device.type, pipe=pipe, tensor=tensor)
+    record_groups(topology)  # for deepspeed.utils.groups' argument-less getters
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
-    split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology)
+    split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology, device)
     if split is not None:
         groups = split.remap(groups)
     model.to(device)

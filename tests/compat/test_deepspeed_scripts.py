@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.compat.run import deepspeed_python, run_script
+from tests.parity import oracle_step
 
 RTOL = 1e-5
 CHAT_ZERO3 = ["--zero_stage", "3", "--lora_dim", "4", "--offload", "--gradient_checkpointing"]
@@ -86,4 +87,41 @@ def test_pipeline_style_matches_deepspeed(zero, clip):
     theirs = run_script("pipeline_style.py", *flags, world=2, python=deepspeed_python(), timeout=600)
     ours = run_script("pipeline_style.py", *flags, world=2, launcher="deepspeed")
     assert ours["parts"] == theirs["parts"] and ours["micro_batches"] == theirs["micro_batches"]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
+
+
+def _autotp_oracle(steps: int = 3, clip: float = 0.5) -> list[float]:
+    """The single-process loop autotp_llama.py's model and batches describe (clipping acts: the norm is ~1.36)."""
+    from tests.compat.scripts.autotp_llama import BATCH, SEQ, VOCAB, build
+
+    model = build(tie=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        losses.append(oracle_step(model, opt, model(input_ids=ids, labels=ids).loss, clip))
+    return losses
+
+
+AUTOTP_SHAPES = {"q_proj": [16, 32], "o_proj": [32, 16], "down_proj": [32, 32]}
+"""Layer 0's projections on rank 0 at autotp_size 2: q_proj column-split (32 -> 16 rows), o_proj and down_proj
+row-split (their inputs halved)."""
+
+
+def test_autotp_llama_trains_like_the_oracle_under_the_deepspeed_command():
+    """DeepSpeed's AutoTP training pattern (a whole LlamaForCausalLM, "tensor_parallel": {"autotp_size": 2}) at
+    world 2: split as DeepSpeed splits it, on the single-process losses."""
+    ours = run_script("autotp_llama.py", "--zero_stage", "1", world=2, launcher="deepspeed")
+    assert ours["shapes"] == AUTOTP_SHAPES and ours["steps"] == 3
+    assert ours["losses"] == pytest.approx(_autotp_oracle(), rel=RTOL)
+
+
+@pytest.mark.deepspeed_parity
+@needs_deepspeed
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_autotp_llama_matches_deepspeed(zero):
+    """The real DeepSpeed 0.19.8 runs AutoTP training on CPU (gloo): the same split and the same losses."""
+    theirs = run_script("autotp_llama.py", "--zero_stage", zero, world=2, python=deepspeed_python(), timeout=600)
+    ours = run_script("autotp_llama.py", "--zero_stage", zero, world=2, launcher="deepspeed")
+    assert ours["shapes"] == theirs["shapes"] == AUTOTP_SHAPES
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)

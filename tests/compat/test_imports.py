@@ -17,7 +17,7 @@ import shardwise
 NAMES = {  # module: names imported from it by real scripts
     "deepspeed": ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
                   "get_accelerator", "zero", "comm", "ops", "checkpointing", "OnDevice", "PipelineModule",
-                  "init_inference", "tp_model_init", "log_dist", "logger", "__version__"],
+                  "init_inference", "tp_model_init", "log_dist", "logger", "module_inject", "__version__"],
     "deepspeed.comm": ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "broadcast",
                        "all_gather", "is_initialized", "init_distributed", "ReduceOp", "new_group"],
     "deepspeed.accelerator": ["get_accelerator"],
@@ -52,6 +52,12 @@ NAMES = {  # module: names imported from it by real scripts
     "deepspeed.runtime.pipe.topology": ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
                                         "PipelineParallelGrid"],
     "deepspeed.runtime.pipe.engine": ["PipelineEngine"],
+    "deepspeed.runtime.tensor_parallel": ["tp_model_init"],
+    "deepspeed.module_inject.layers": ["set_autotp_mode"],
+    "deepspeed.utils.groups": ["get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
+                               "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_src_rank",
+                               "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
+                               "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size"],
 }
 
 
@@ -71,6 +77,7 @@ def test_names_are_shardwises():
     assert deepspeed.DeepSpeedEngine is shardwise.Engine and DeepSpeedCPUAdam is shardwise.optim.adam.CPUAdam
     assert deepspeed.get_accelerator() is shardwise.accelerator.get_accelerator()
     assert ZeroParamStatus is shardwise.zero.ZeroParamStatus
+    assert deepspeed.tp_model_init is shardwise.tp_model_init
     assert deepspeed.__version__ == importlib.metadata.version("deepspeed") == "0.19.8+shardwise"
 
 
@@ -87,10 +94,30 @@ def test_unsupported_features_say_so():
 
     import deepspeed
 
-    for build in (lambda: MoE(hidden_size=8), lambda: deepspeed.init_inference(torch.nn.Linear(2, 2)),
-                  lambda: deepspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)):
+    for build in (lambda: MoE(hidden_size=8), lambda: deepspeed.init_inference(torch.nn.Linear(2, 2))):
         with pytest.raises(NotImplementedError, match="not supported by shardwise yet"):
             build()
+
+
+def test_tp_model_init_records_the_size_that_initialize_splits_with():
+    import deepspeed
+    from deepspeed.module_inject.layers import set_autotp_mode
+
+    from shardwise.tensor_parallel.megatron import recorded_init
+
+    set_autotp_mode(training=True)  # DeepSpeed scripts call it first; nothing to switch here
+    model = torch.nn.Linear(2, 2)
+    # transformers' deepspeed_init calls it so (integrations/deepspeed.py)
+    assert deepspeed.tp_model_init(model=model, tp_size=2, dtype=torch.float32, config={}) is model
+    assert recorded_init(model) == {"tp_size": 2, "dtype": torch.float32}
+    with pytest.raises(ValueError, match=r"tp_model_init: tp_size must be a positive integer; got 0\."):
+        deepspeed.tp_model_init(model, tp_size=0, dtype=torch.float32)
+    # before initialize (a fresh process), the groups' getters say what to do
+    code = "from deepspeed.utils import groups; groups.get_data_parallel_rank()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stderr.strip().endswith(
+        "GroupsNotReadyError: deepspeed.utils.groups.get_data_parallel_rank(): the process groups are built by "
+        "initialize(); call it after deepspeed.initialize / shardwise.initialize."), done.stderr
 
 
 def test_another_deepspeed_on_the_path_is_reported(tmp_path):

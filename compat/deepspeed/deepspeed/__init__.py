@@ -17,7 +17,7 @@ from shardwise.monitor.console import log_dist  # noqa: E402
 from shardwise.monitor.console import logger  # noqa: E402
 from shardwise.runtime.engine import Engine as DeepSpeedEngine  # noqa: E402
 
-from . import accelerator, checkpoint, checkpointing, comm, compression, moe, ops, runtime, utils, zero  # noqa: E402
+from . import accelerator, checkpoint, checkpointing, comm, compression, module_inject, moe, ops, runtime, utils, zero  # noqa: E402
 from .inference import init_inference  # noqa: E402
 from .pipe import PipelineModule  # noqa: E402
 from .runtime.pipe.engine import PipelineEngine  # noqa: E402
@@ -33,5 +33,5 @@ dist = None  # DeepSpeed fills this with deepspeed.comm in initialize(); kept fo
 __all__ = [
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "PipelineEngine", "PipelineModule", "__version__",
     "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "init_inference",
-    "initialize", "log_dist", "logger", "moe", "ops", "runtime", "tp_model_init", "utils", "zero",
+    "initialize", "log_dist", "logger", "module_inject", "moe", "ops", "runtime", "tp_model_init", "utils", "zero",
 ]

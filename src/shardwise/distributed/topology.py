@@ -106,6 +106,7 @@ class Topology:
         self.sizes = {"pipe": pipe, "data": data, "tensor": tensor}
         self.mesh: DeviceMesh = init_device_mesh(device_type, (pipe, data, tensor), mesh_dim_names=AXES)
         self.world = Group("world", dist.group.WORLD, world, dist.get_rank())
+        self._model = _pipe_by_tensor_group(pipe, data, tensor)
 
     def group(self, axis: str) -> Group:
         if axis not in self.sizes:
@@ -129,6 +130,25 @@ class Topology:
         """The axes a model is split along (its gradient norm is summed over them): pipe and tensor, where > 1."""
         return [g for g in (self.pipe, self.tensor) if g.size > 1]
 
+    @property
+    def model(self) -> Group:
+        """Every rank of this rank's model replica (pipe × tensor ranks sharing its data coordinate): DeepSpeed's
+        and Megatron's "model-parallel group". One axis's group unless both are split."""
+        if self._model is not None:
+            return self._model
+        axis = self.tensor if self.sizes["pipe"] == 1 else self.pipe
+        return Group("model", axis.pg, axis.size, axis.rank)
+
     def pipe_peer(self, stage: int) -> int:
         """The global rank of pipeline stage `stage` with this rank's data and tensor coordinates."""
         return dist.get_global_rank(self.pipe.pg, stage)
+
+
+def _pipe_by_tensor_group(pipe: int, data: int, tensor: int) -> Group | None:
+    """The pipe × tensor group, built (by every rank, at start-up, since creating a group is collective over the
+    world) only when both axes are split: otherwise it is the pipe or the tensor group, which exist already."""
+    if pipe == 1 or tensor == 1:
+        return None
+    layout = ProcessTopology(list(AXES), [pipe, data, tensor])
+    pg, _ = dist.new_subgroups_by_enumeration([layout.filter_match(data=d) for d in range(data)])
+    return Group("model", pg, pipe * tensor, dist.get_rank(pg))

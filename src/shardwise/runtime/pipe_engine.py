@@ -1,5 +1,7 @@
 """The pipeline engine: DeepSpeed's `PipelineEngine` surface (`train_batch`, `eval_batch`, stage queries) on
-top of `Engine`, for a `PipelineModule` (one stage's layers) on a pipe × data topology.
+top of `Engine`, for a `PipelineModule` (one stage's layers) on a pipe × data × tensor topology: with
+tensor parallelism, each stage's layers are split over its tensor group and every tensor rank exchanges
+activations with the peer stage of the same tensor coordinate (`Topology.pipe_peer`).
 
 A batch is one schedule (`pipeline/schedule.py`) that the executor runs: its micro-batches are the
 gradient-accumulation steps. Each stage's sharding strategy (ZeRO 0-2 over the stage's data-parallel

@@ -3,6 +3,9 @@
 The size comes from any of: the config's `tensor_parallel.autotp_size`, `tp_model_init(model, tp_size)`, a
 Megatron-style `mpu`; those given (> 1) must agree. AutoTP splits the model when the config or
 `tp_model_init` asks for it; an mpu alone means the user's layers are split already.
+
+A `PipelineModule` holds one stage's layers: a stage may hold only whole ones (a stage of norms), so what must
+be split somewhere is decided over every stage (one all-reduce over the pipe group), identically on each rank.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 
 from ..config import ConfigError
 from ..config.sections import TensorParallelConfig
-from ..distributed import Topology
+from ..distributed import Collectives, Group, Topology
+from ..pipeline.module import PipelineModule
 from ..tensor_parallel import TensorLink, TensorParallelError, TensorParallelModel, parallelize, resolve_plan
 from ..tensor_parallel.megatron import check_mpu_groups, megatron_split, mpu_tensor_size, recorded_init
 
@@ -41,10 +45,10 @@ def data_parallel_size(world: int, pipe: int, tensor: int) -> int:
 
 
 def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, link: TensorLink,
-                topology: Topology) -> TensorParallelModel | None:
+                topology: Topology, device: torch.device) -> TensorParallelModel | None:
     """Split `model` in place over `link`'s group; None when the tensor-parallel size is 1."""
     if mpu is not None:
-        check_mpu_groups(mpu, topology.tensor.pg, topology.data.pg)
+        _check_mpu(mpu, link.comm, topology, device)
     if link.size == 1:
         return None
     if config.autotp_size <= 1 and recorded_init(model) is None:
@@ -53,6 +57,39 @@ def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, 
         raise TensorParallelError("tensor_parallel: the model was built under zero.Init (its parameters are ZeRO-3 "
                                   "partitioned), so AutoTP cannot split it; build it normally and let ZeRO-3 "
                                   "partition the tensor-parallel shards at initialize.")
+    stage_only = isinstance(model, PipelineModule)
     rules = resolve_plan(model, config.partition_config, config.preset_model, config.vocab_parallel_lm_head,
-                         config.sequence_parallel)
-    return parallelize(model, rules, link, config.sequence_parallel)
+                         required=not stage_only, sequence_parallel=config.sequence_parallel)
+    split = parallelize(model, rules, link, config.sequence_parallel, require_match=not stage_only)
+    if stage_only:
+        _check_some_stage_split(split, link.comm, topology.pipe, device)
+    return split
+
+
+def _check_mpu(mpu: Any, comm: Collectives, topology: Topology, device: torch.device) -> None:
+    """Refuse an mpu whose groups are not shardwise's on every rank together: a rank whose own groups match would
+    otherwise go on to the first collective and wait there for the ranks that raised."""
+    try:
+        check_mpu_groups(mpu, topology.tensor.pg, topology.data.pg)
+        problem = None
+    except TensorParallelError as e:
+        problem = e
+    failed = torch.tensor([int(problem is not None)], dtype=torch.int64, device=device)
+    comm.all_reduce(failed, topology.world).wait()
+    if problem is not None:
+        raise problem
+    if failed.item():
+        raise TensorParallelError(f"mpu: its groups differ from shardwise's on {failed.item()} other rank(s), though "
+                                  "not on this one; see those ranks' errors, and build the mpu's groups with adjacent "
+                                  "ranks in a tensor group, as Megatron does.")
+
+
+def _check_some_stage_split(split: TensorParallelModel, comm: Collectives, pipe: Group, device: torch.device) -> None:
+    count = torch.tensor([len(split.split_modules)], dtype=torch.int64, device=device)
+    comm.all_reduce(count, pipe).wait()
+    if count.item() == 0:
+        raise TensorParallelError("tensor_parallel.autotp_size: no stage of the PipelineModule has a module to split, "
+                                  "so every tensor-parallel rank would compute the same thing; build its layers with "
+                                  "shardwise.tensor_parallel.layers (ColumnParallelLinear, RowParallelLinear, "
+                                  "VocabParallelEmbedding), give tensor_parallel.partition_config.layer_specs, or set "
+                                  "autotp_size to 1.")

@@ -46,9 +46,10 @@ class TensorParallelModel:
 
 
 def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink,
-                sequence_parallel: bool = False) -> TensorParallelModel:
+                sequence_parallel: bool = False, require_match: bool = True) -> TensorParallelModel:
     """Split `model` in place: modules that declare a `tp_style` (shardwise.tensor_parallel.layers) and those a
-    rule matches (first rule wins; "skip" leaves a module whole)."""
+    rule matches (first rule wins; "skip" leaves a module whole). Splitting nothing is refused unless not
+    `require_match` (one pipeline stage may hold only whole layers; the caller checks the stages together)."""
     _check_heads(model, link.size)
     sharder = Sharder(link, sequence_parallel)
     result = TensorParallelModel(link)
@@ -68,7 +69,7 @@ def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink,
     result.shards = {by_id[i]: shard for i, shard in sharder.shards.items() if i in by_id}
     result.split_ids = set(sharder.shards)
     result.replaced = {i: new for i, (_, new) in sharder.replaced.items()}
-    if not result.split_modules:
+    if not result.split_modules and require_match:
         raise TensorParallelError(f"tensor_parallel: the plan matched no module of {type(model).__name__}, so nothing "
                                   "would be split; check partition_config's patterns against model.named_modules().")
     logger.info("tensor parallel: split %d modules over %d ranks", len(result.split_modules), link.size)

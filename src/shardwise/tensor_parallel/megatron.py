@@ -42,9 +42,10 @@ def check_mpu_groups(mpu: Any, tensor: dist.ProcessGroup, data: dist.ProcessGrou
         theirs = _call(mpu, *names)
         mine, given = dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)
         if sorted(mine) != sorted(given):
-            raise TensorParallelError(f"mpu: its {label}-parallel group on rank {dist.get_rank()} is {sorted(given)}, "
-                                      f"shardwise's is {sorted(mine)} (pipe x data x tensor, tensor fastest); build the "
-                                      "mpu's groups with adjacent ranks in a tensor group, as Megatron does.")
+            raise TensorParallelError(f"mpu: its {label}-parallel group on rank {dist.get_rank()} must be "
+                                      f"{sorted(mine)}, as shardwise lays ranks out (pipe x data x tensor, tensor "
+                                      f"fastest); got {sorted(given)}. Build the mpu's groups with adjacent ranks in "
+                                      "a tensor group, as Megatron does.")
 
 
 def megatron_split(model: torch.nn.Module, link: TensorLink) -> TensorParallelModel:
@@ -72,3 +73,9 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | Non
         raise TensorParallelError(f"tp_model_init: tp_size must be a positive integer; got {tp_size!r}.")
     setattr(model, TP_INIT_ATTR, {"tp_size": tp_size, "dtype": dtype})
     return model
+
+
+def set_autotp_mode(training: bool = False) -> None:
+    """DeepSpeed's switch between AutoTP's inference and training instrumentation (`deepspeed.module_inject.
+    layers.set_autotp_mode`): shardwise has nothing to switch, since it splits the model at `initialize` whenever
+    `tensor_parallel.autotp_size` or `tp_model_init` asks; accepted so that scripts calling it run."""

@@ -6,7 +6,8 @@ AutoTP's sources, first match wins:
 2. `tensor_parallel.preset_model`, or the model's own `config.model_type`, among the built-in plans below;
 3. the Hugging Face model config's `base_model_tp_plan` (every architecture transformers can split itself).
 Vocabulary-parallel embeddings and LM head are added to every Hugging Face plan unless
-`vocab_parallel_lm_head` is false.
+`vocab_parallel_lm_head` is false. A model written with shardwise.tensor_parallel.layers (modules that declare a
+`tp_style`, a `PipelineModule` of them say) needs no plan: it has no Hugging Face config, so it gets no rules.
 """
 
 from __future__ import annotations
@@ -71,9 +72,16 @@ def hf_config(model: torch.nn.Module) -> Any:
     return getattr(model, "config", None)
 
 
+def declares_styles(model: torch.nn.Module) -> bool:
+    """Whether some module of `model` says how it is split (shardwise.tensor_parallel.layers)."""
+    return any(getattr(m, "tp_style", None) is not None for m in model.modules())
+
+
 def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, preset: str | None = None,
-                 vocab_parallel: bool | None = None, sequence_parallel: bool = False) -> list[Rule]:
-    """The rules AutoTP applies to `model` (see the module docstring); raises naming what is missing."""
+                 vocab_parallel: bool | None = None, required: bool = True,
+                 sequence_parallel: bool = False) -> list[Rule]:
+    """The rules AutoTP applies to `model` (see the module docstring); raises naming what is missing, unless the
+    model's own modules declare their styles or not `required` (a pipeline stage: the stages decide together)."""
     config = hf_config(model)
     model_type = preset or getattr(config, "model_type", None)
     rules: list[Rule] = []
@@ -90,7 +98,7 @@ def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, p
         rules += BUILT_IN[model_type]
     elif getattr(config, "base_model_tp_plan", None):
         rules += _from_hf(config.base_model_tp_plan)
-    elif not rules:
+    elif not rules and required and not declares_styles(model):
         raise TensorParallelError(
             f"tensor_parallel: no AutoTP plan for model type {model_type!r} ({type(model).__name__}); built in: "
             f"{', '.join(sorted(BUILT_IN))}, or any transformers model whose config has a base_model_tp_plan. Give "
