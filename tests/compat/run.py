@@ -54,4 +54,7 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
 def _pythonpath(python: str) -> str:
     """shardwise's source for our own venv; for DeepSpeed's venv, only the repository (for tests/compat)."""
     own = [str(ROOT / "src")] if python == sys.executable else []
-    return os.pathsep.join([*own, str(ROOT), os.environ.get("PYTHONPATH", "")])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if python != sys.executable:  # our `deepspeed` package must never stand in for the real one it is compared with
+        inherited = [p for p in inherited if Path(p).resolve() != (ROOT / "compat" / "deepspeed").resolve()]
+    return os.pathsep.join([*own, str(ROOT), *inherited])
