@@ -10,6 +10,7 @@ parameters changes the update.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,10 +22,29 @@ LR, MOMENTUM, CLIP = 0.2, 0.9, 0.1
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
+class MegatronNet(torch.nn.Module):
+    """A model of shardwise's Megatron-style layers (no plan: each layer declares how it is split)."""
+
+    def __init__(self) -> None:
+        from shardwise.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+        super().__init__()
+        self.embed = VocabParallelEmbedding(VOCAB, 16)
+        self.up, self.down = ColumnParallelLinear(16, 32), RowParallelLinear(32, 16)
+        self.head = ColumnParallelLinear(16, VOCAB, bias=False, gather_output=True)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        x = self.embed(input_ids)
+        logits = self.head(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
 def build(kind: str, tie: bool = False, lora: bool = False) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    if kind == "megatron":
+        return MegatronNet()
     small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
     if kind == "gpt2":  # fused q/k/v (c_attn, 3 blocks), Conv1D, tied head
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(

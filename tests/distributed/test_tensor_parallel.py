@@ -24,7 +24,8 @@ pytest.importorskip("peft")
 # name: (kind, tied embeddings, ZeRO stage, LoRA)
 AT_TP2 = {"llama": ("llama", False, 0, False), "llama-tied": ("llama", True, 1, False), "gpt2": ("gpt2", False, 0, False),
           "opt": ("opt", False, 0, False), "bert": ("bert", False, 0, False), "qwen2": ("qwen2", False, 0, False),
-          "qwen3": ("qwen3", False, 0, False), "llama-lora": ("llama", False, 0, True)}
+          "qwen3": ("qwen3", False, 0, False), "llama-lora": ("llama", False, 0, True),
+          "megatron-layers": ("megatron", False, 0, False)}
 AT_TP2_DP2 = {f"llama{'-tied' if tie else ''}-zero{stage}": ("llama", tie, stage, False)
               for stage in (1, 2, 3) for tie in (False, True)} | {"gpt2-zero3": ("gpt2", False, 3, False)}
 BF16 = dict(steps=8, fixed=True, lr=0.5)
@@ -141,6 +142,8 @@ def test_ranks_hold_their_parts(tp2, tp2_dp2):
     assert (shard.dim, shard.size, shard.full_shape, shard.blocks) == (0, 2, (32, 32), 1)
     c_attn = gpt2["shards"]["transformer.h.0.attn.c_attn.weight"]
     assert (c_attn.dim, c_attn.full_shape, c_attn.blocks) == (1, (32, 96), 3)
+    megatron = _result(tp2, "megatron-layers")["local_shapes"]  # split by the styles the layers declare
+    assert (megatron["embed.weight"], megatron["up.weight"], megatron["down.weight"]) == ((32, 16), (16, 16), (16, 16))
     # BERT's decoder bias, tied by transformers to cls.predictions.bias: one split tensor under both names
     assert _result(tp2, "bert")["local_shapes"]["cls.predictions.bias"] == (32,)
     qwen2_hf, qwen2 = _result(tp2, "qwen2-hf-plan"), _result(tp2, "qwen2")

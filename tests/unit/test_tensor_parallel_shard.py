@@ -207,3 +207,9 @@ def test_unknown_model_type_is_refused_with_the_way_out():
         "opt, qwen2, qwen3, roberta, or any transformers model whose config has a base_model_tp_plan. Give one with "
         "tensor_parallel.partition_config.layer_specs ({\"patterns\": [regex], \"partition_type\": "
         "\"column\"|\"row\"}).")
+
+
+def test_a_model_of_megatron_style_layers_needs_no_plan():
+    from tests.tensor_parallel_models import MegatronNet
+
+    assert resolve_plan(MegatronNet()) == []  # its layers declare their styles; parallelize applies them

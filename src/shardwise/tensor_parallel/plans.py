@@ -90,7 +90,8 @@ def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, p
         rules += BUILT_IN[model_type]
     elif getattr(config, "base_model_tp_plan", None):
         rules += _from_hf(config.base_model_tp_plan)
-    elif not rules:
+    elif not rules and not any(hasattr(m, "tp_style") for m in model.modules()):
+        # a model of shardwise.tensor_parallel.layers needs no plan: its layers declare their styles
         raise TensorParallelError(
             f"tensor_parallel: no AutoTP plan for model type {model_type!r} ({type(model).__name__}); built in: "
             f"{', '.join(sorted(BUILT_IN))}, or any transformers model whose config has a base_model_tp_plan. Give "
