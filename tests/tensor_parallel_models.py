@@ -104,7 +104,7 @@ def config(tp: int, dp: int, stage: int = 0, lr: float = LR, **extra: Any) -> di
     return {"train_micro_batch_size_per_gpu": GLOBAL // dp, "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP, "steps_per_print": 1000, "zero_optimization": zero,
             "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": MOMENTUM}},
-            "tensor_parallel": {"autotp_size": tp}, **extra}
+            **extra, "tensor_parallel": {"autotp_size": tp, **extra.get("tensor_parallel", {})}}
 
 
 def train(engine: Any, steps: int = STEPS, start: int = 0, fixed: bool = False) -> dict[str, list[float]]:

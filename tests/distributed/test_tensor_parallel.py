@@ -28,6 +28,12 @@ AT_TP2 = {"llama": ("llama", False, 0, False), "llama-tied": ("llama", True, 1, 
           "megatron-layers": ("megatron", False, 0, False)}
 AT_TP2_DP2 = {f"llama{'-tied' if tie else ''}-zero{stage}": ("llama", tie, stage, False)
               for stage in (1, 2, 3) for tie in (False, True)} | {"gpt2-zero3": ("gpt2", False, 3, False)}
+# DeepSpeed-style custom specs only: Qwen3's per-head q/k norms need grad_allreduce, the LM head gather_output
+SPECS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.[qkv]_proj\.weight$", r".*\.(gate|up)_proj\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+    {"patterns": [r"lm_head\.weight$"], "partition_type": "column", "gather_output": True, "model_types": ["qwen3"]}]}
 BF16 = dict(steps=8, fixed=True, lr=0.5)
 """The bf16 run memorises one batch, so the loss falls (4.17 -> 3.19 in fp32) and a drift would show."""
 
@@ -89,6 +95,7 @@ def _sweep_tp2() -> dict:
     results = {name: _guarded(tp_models.run_case, kind, tie, 2, stage, lora)
                for name, (kind, tie, stage, lora) in AT_TP2.items()}
     results["qwen2-hf-plan"] = _guarded(_with_hf_plan, "qwen2")
+    results["qwen3-specs"] = _guarded(tp_models.run_case, "qwen3", False, 2, tensor_parallel={"partition_config": SPECS})
     results["llama-bf16"] = _guarded(tp_models.run_case, "llama", False, 2, bf16={"enabled": True}, **BF16)
     results["cross-entropy"] = _guarded(_cross_entropy_cases)
     return results
@@ -152,6 +159,13 @@ def test_ranks_hold_their_parts(tp2, tp2_dp2):
 
 def test_qwen2_by_its_base_model_tp_plan(tp2):
     tp_models.assert_matches(_result(tp2, "qwen2-hf-plan"), _oracle("qwen2", False, False), label="qwen2-hf-plan")
+
+
+def test_qwen3_by_deepspeed_style_layer_specs(tp2):
+    got = _result(tp2, "qwen3-specs")
+    assert got["local_shapes"]["lm_head.weight"] == (32, 32) and got["local_shapes"]["model.embed_tokens.weight"] == (
+        64, 32)  # the specs split the head, not the embedding
+    tp_models.assert_matches(got, _oracle("qwen3", False, False), label="qwen3-specs")
 
 
 def test_lora_adapters_are_split_with_their_layers(tp2):

@@ -213,3 +213,44 @@ def test_a_model_of_megatron_style_layers_needs_no_plan():
     from tests.tensor_parallel_models import MegatronNet
 
     assert resolve_plan(MegatronNet()) == []  # its layers declare their styles; parallelize applies them
+
+
+def test_partition_config_reads_deepspeeds_other_spec_keys(llama):
+    specs = [{"patterns": [r".*\.lm_head\.weight$", r"lm_head\.weight"], "partition_type": "Column", "gather_output": True},
+             {"patterns": [r".*\.input_layernorm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+             {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row", "partition_dim": 1},
+             {"patterns": [r".*\.up_proj\.weight$"], "shape": [2, -1], "partition_dim": 0},  # column by default
+             {"patterns": [r".*\.down_proj\.weight$"], "partition_type": "row", "model_types": ["mistral"]}]
+    styles = _styles(llama, resolve_plan(llama, {"use_default_specs": False, "layer_specs": specs}))
+    assert styles == {"lm_head": ("colwise_gather", 1), "model.layers.0.input_layernorm": ("grad_sum", 1),
+                      "model.layers.1.input_layernorm": ("grad_sum", 1), "model.layers.0.self_attn.o_proj": ("rowwise", 1),
+                      "model.layers.1.self_attn.o_proj": ("rowwise", 1), "model.layers.0.mlp.up_proj": ("colwise", 2),
+                      "model.layers.1.mlp.up_proj": ("colwise", 2)}  # the mistral-only spec does not apply to llama
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"patterns": ["x"], "partition_dim": 1},
+     "tensor_parallel.partition_config.layer_specs[0]: a column split with partition_dim 1 and shape None is not "
+     "supported; a column split cuts the output features (dim 0, or 1 of an [n, -1, in] shape), a row split the input "
+     "features (dim 1) without shape. Drop partition_dim or the shape."),
+    ({"patterns": ["x"], "partition_type": "row", "shape": [2, -1]},
+     "tensor_parallel.partition_config.layer_specs[0]: a row split with partition_dim None and shape [2, -1] is not "
+     "supported;"),
+    ({"patterns": ["x"], "shape": [[32, 16, 16], -1]},
+     "tensor_parallel.partition_config.layer_specs[0].shape: [[32, 16, 16], -1] packs sub-parameters of unequal sizes, "
+     "which shardwise does not split; give equal ones ([n, -1]) or split the projection in the model."),
+    ({"patterns": ["x"], "shape": [3, -1], "gather_output": True},
+     "tensor_parallel.partition_config.layer_specs[0].gather_output: only a column split without shape gathers its "
+     "output; got partition_type 'column', shape [3, -1]. Drop gather_output or the shape."),
+    ({"patterns": ["x"], "partition_type": "row", "grad_allreduce": True},
+     "tensor_parallel.partition_config.layer_specs[0].grad_allreduce: only a skip spec (a whole parameter whose "
+     "gradient is partial on each rank) sums its gradient; got partition_type 'row'. Set partition_type \"skip\" or "
+     "drop grad_allreduce."),
+    ({"patterns": ["x"], "gather_outputs": True},
+     "tensor_parallel.partition_config.layer_specs[0]: unknown keys ['gather_outputs']; a layer spec takes patterns, "
+     "partition_type, shape, partition_dim, gather_output, grad_allreduce, model_types."),
+])
+def test_layer_specs_shardwise_cannot_honour_are_refused(llama, spec, message):
+    with pytest.raises(TensorParallelError) as caught:
+        resolve_plan(llama, {"layer_specs": [spec]})
+    assert str(caught.value).startswith(message)
