@@ -38,10 +38,10 @@ def _engine(kind: str, tp: int, dp: int, stage: int):
     return engine
 
 
-def _save(root: str, tp: int, dp: int, stage: int) -> dict:
+def _save(root: str, tp: int, dp: int, stage: int, kinds: tuple[str, ...] = KINDS) -> dict:
     """Train SAVE_AT steps at tp x dp and save; the losses and the whole weights at the save."""
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         engine = _engine(kind, tp, dp, stage)
         losses = tp_models.train(engine, SAVE_AT)["losses"]
         engine.save_checkpoint(f"{root}/{kind}")
@@ -49,9 +49,9 @@ def _save(root: str, tp: int, dp: int, stage: int) -> dict:
     return out
 
 
-def _resume(root: str, tp: int, dp: int, stage: int) -> dict:
+def _resume(root: str, tp: int, dp: int, stage: int, kinds: tuple[str, ...] = KINDS) -> dict:
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         engine = _engine(kind, tp, dp, stage)
         engine.load_checkpoint(f"{root}/{kind}")
         assert engine.global_steps == SAVE_AT
@@ -59,10 +59,17 @@ def _resume(root: str, tp: int, dp: int, stage: int) -> dict:
     return out
 
 
-def _resume_both_ways(saved_at_tp2: str, tp1_root: str) -> dict:
-    """At world 2: the tp2 x dp2 checkpoint at tp1 x dp2 (ZeRO-2) and at tp2 x dp1; then one saved at tp1 x dp2
-    (ZeRO-1) resumed at tp2 x dp1."""
+def _save_at_tp2_dp2(root: str) -> dict:
+    """At world 4: ZeRO-1 (both models) and ZeRO-3 (LLaMA: each rank holds a data-parallel slice of its part)."""
+    return {"zero1": _save(f"{root}/tp2xdp2", 2, 2, 1), "zero3": _save(f"{root}/tp2xdp2-zero3", 2, 2, 3, ("llama",))}
+
+
+def _resume_both_ways(root: str) -> dict:
+    """At world 2: the tp2 x dp2 checkpoint at tp1 x dp2 (ZeRO-2) and at tp2 x dp1; the ZeRO-3 one at tp1 x dp2
+    (ZeRO-3); then one saved at tp1 x dp2 (ZeRO-1) resumed at tp2 x dp1."""
+    saved_at_tp2, tp1_root = f"{root}/tp2xdp2", f"{root}/tp1xdp2"
     return {"tp1xdp2": _resume(saved_at_tp2, 1, 2, 2), "tp2xdp1": _resume(saved_at_tp2, 2, 1, 0),
+            "zero3 -> tp1xdp2": _resume(f"{root}/tp2xdp2-zero3", 1, 2, 3, ("llama",)),
             "saved at tp1": _save(tp1_root, 1, 2, 1), "tp1 -> tp2": _resume(tp1_root, 2, 1, 1)}
 
 
@@ -71,9 +78,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_checkpoints")
     for kind in KINDS:  # first: the ranks fork with transformers' model modules imported
         _oracle(kind)
-    saved = run_distributed(_save, 4, str(root / "tp2xdp2"), 2, 2, 1, timeout=180)[0]
-    resumed = run_distributed(_resume_both_ways, 2, str(root / "tp2xdp2"), str(root / "tp1xdp2"), timeout=180)[0]
-    return root, saved, resumed
+    saved = run_distributed(_save_at_tp2_dp2, 4, str(root), timeout=180)[0]
+    resumed = run_distributed(_resume_both_ways, 2, str(root), timeout=180)[0]
+    return root, saved["zero1"], resumed | {"zero3 saved": saved["zero3"]}
 
 
 def _close(got: list[float], ref: list[float], label: str) -> None:
@@ -89,6 +96,13 @@ def test_resumed_run_equals_the_uninterrupted_one(runs, kind, layout):
     _close(saved[kind]["losses"], ref[:SAVE_AT], f"{kind} before the save at tp2 x dp2")
     _close(resumed["saved at tp1"][kind]["losses"], ref[:SAVE_AT], f"{kind} before the save at tp1 x dp2")
     _close(resumed[layout][kind], ref[SAVE_AT:], f"{kind} resumed at {layout}")
+
+
+def test_zero3_checkpoint_at_tp2_dp2_resumes_at_tp1(runs):
+    _, _, resumed = runs
+    ref = _oracle("llama")["losses"]
+    _close(resumed["zero3 saved"]["llama"]["losses"], ref[:SAVE_AT], "llama before the save at tp2 x dp2 ZeRO-3")
+    _close(resumed["zero3 -> tp1xdp2"]["llama"], ref[SAVE_AT:], "llama resumed at tp1 x dp2 ZeRO-3")
 
 
 def test_manifest_records_whole_shapes_and_parts(runs):
