@@ -108,9 +108,24 @@ def _divide_head_counts(attention: torch.nn.Module, size: int) -> None:
 
 def _check_ties(model: torch.nn.Module, sharder: Sharder) -> None:
     """A parameter tied between a split module and a whole one would leave a full copy beside the shards and
-    stop training them together: refuse, naming both."""
-    replaced = set(sharder.replaced)
-    stale = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in replaced]
+    stop training them together: refuse, naming both. One tie is kept: a module's own parameter that is the
+    very parameter of a split module inside it (BERT's `cls.predictions.bias`, which transformers ties to
+    `cls.predictions.decoder.bias`) is the same tensor under a second name, so it takes the split one too."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None and id(param) in sharder.shards:
+                holders.setdefault(id(param), []).append(name)
+    stale = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module._parameters.items()):
+            if param is None or id(param) not in sharder.replaced:
+                continue
+            new = sharder.replaced[id(param)][1]
+            if any(holder.startswith(f"{name}.") if name else holder for holder in holders.get(id(new), [])):
+                setattr(module, attr, new)
+            else:
+                stale.append(f"{name}.{attr}" if name else attr)
     if stale:
         raise TensorParallelError(f"tensor_parallel: {stale[:5]} still hold the whole weight that another module now "
                                   "holds split (the two were tied); split both modules alike (add a rule for them) or "

@@ -2,7 +2,7 @@
 
 AutoTP's sources, first match wins:
 1. the config's `tensor_parallel.partition_config.layer_specs` (DeepSpeed's keys: `patterns`, `partition_type`
-   "column" | "row" | "skip", `shape` for fused projections);
+   "column" | "row" | "skip", `shape` for fused projections, `gather_output`, `grad_allreduce`, `model_types`);
 2. `tensor_parallel.preset_model`, or the model's own `config.model_type`, among the built-in plans below;
 3. the Hugging Face model config's `base_model_tp_plan` (every architecture transformers can split itself).
 Vocabulary-parallel embeddings and LM head are added to every Hugging Face plan unless
@@ -91,14 +91,14 @@ def resolve_plan(model: torch.nn.Module, partition_config: dict | None = None, p
                                       f"models; got model type {model_type!r}. Set it to false.")
         rules += SEQUENCE_PARALLEL[model_type]
     if partition_config:
-        rules += _layer_spec_rules(partition_config)
+        rules += _layer_spec_rules(partition_config, model_type)
         if not partition_config.get("use_default_specs", True):
             return rules
     if model_type in BUILT_IN:
         rules += BUILT_IN[model_type]
     elif getattr(config, "base_model_tp_plan", None):
         rules += _from_hf(config.base_model_tp_plan)
-    elif not rules and required and not declares_styles(model):
+    elif not rules and required and not declares_styles(model):  # layers that declare their styles need no plan
         raise TensorParallelError(
             f"tensor_parallel: no AutoTP plan for model type {model_type!r} ({type(model).__name__}); built in: "
             f"{', '.join(sorted(BUILT_IN))}, or any transformers model whose config has a base_model_tp_plan. Give "
@@ -120,18 +120,58 @@ def _from_hf(plan: dict[str, str]) -> list[Rule]:
     return rules
 
 
-def _layer_spec_rules(partition_config: dict) -> list[Rule]:
+SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "gather_output", "grad_allreduce", "model_types")
+
+
+def _layer_spec_rules(partition_config: dict, model_type: str | None) -> list[Rule]:
     rules = []
-    for spec in partition_config.get("layer_specs", []):
-        kind = spec.get("partition_type")
-        styles = {"column": COLWISE, "row": ROWWISE, "skip": None}
-        if kind not in styles:
-            raise TensorParallelError(f"tensor_parallel.partition_config.layer_specs: partition_type {kind!r}; one of "
-                                      "'column', 'row', 'skip'.")
-        shape = spec.get("shape")
-        blocks = int(shape[0]) if shape and shape[0] not in (-1, None) else 1
+    for index, spec in enumerate(partition_config.get("layer_specs", [])):
+        where = f"tensor_parallel.partition_config.layer_specs[{index}]"
+        unknown = sorted(set(spec) - set(SPEC_KEYS))
+        if unknown:
+            raise TensorParallelError(f"{where}: unknown keys {unknown}; a layer spec takes {', '.join(SPEC_KEYS)}.")
+        types = spec.get("model_types")
+        if types and str(model_type).lower() not in [str(t).lower() for t in types]:
+            continue  # DeepSpeed's model_types: the spec is for other architectures
+        style, blocks = _spec_style(spec, where)
         for pattern in spec.get("patterns", []):
             # DeepSpeed's patterns name parameters ("...o_proj.weight"): a rule here names the module
             module_pattern = re.sub(r"\\?\.(?:weight|bias)\$?$", "", pattern).removeprefix(".*\\.").removeprefix("^")
-            rules.append(Rule(module_pattern, styles[kind] or "skip", blocks))
+            rules.append(Rule(module_pattern, style, blocks))
     return rules
+
+
+def _spec_style(spec: dict, where: str) -> tuple[str, int]:
+    """A layer spec's style and blocks, as DeepSpeed reads it (partition_type defaults to column); what shardwise
+    does not split as DeepSpeed would is refused rather than split another way."""
+    kind = str(spec.get("partition_type", "column")).lower()
+    styles = {"column": COLWISE, "row": ROWWISE, "skip": "skip"}
+    if kind not in styles:
+        raise TensorParallelError(f"tensor_parallel.partition_config.layer_specs: partition_type "
+                                  f"{spec.get('partition_type')!r}; one of 'column', 'row', 'skip'.")
+    shape = spec.get("shape")
+    if shape and not isinstance(shape[0], int):
+        raise TensorParallelError(f"{where}.shape: {shape} packs sub-parameters of unequal sizes, which shardwise "
+                                  "does not split; give equal ones ([n, -1]) or split the projection in the model.")
+    blocks = shape[0] if shape and shape[0] != -1 else 1
+    # the dim DeepSpeed splits: a column split's output features (dim 1 of its [n, -1, in] view of n stacked
+    # blocks: the same cut as n blocks of dim 0), a row split's input features
+    natural = {"column": 1 if shape and len(shape) >= 3 else 0, "row": 1}.get(kind)
+    dim = spec.get("partition_dim")
+    if (dim is not None and dim != natural) or (kind != "column" and blocks != 1):
+        raise TensorParallelError(f"{where}: a {kind} split with partition_dim {dim} and shape {shape} is not "
+                                  "supported; a column split cuts the output features (dim 0, or 1 of an [n, -1, in] "
+                                  "shape), a row split the input features (dim 1) without shape. Drop partition_dim or "
+                                  "the shape.")
+    if spec.get("gather_output"):
+        if kind != "column" or blocks != 1:
+            raise TensorParallelError(f"{where}.gather_output: only a column split without shape gathers its output; "
+                                      f"got partition_type {kind!r}, shape {shape}. Drop gather_output or the shape.")
+        return LM_HEAD, 1
+    if spec.get("grad_allreduce"):
+        if kind != "skip":
+            raise TensorParallelError(f"{where}.grad_allreduce: only a skip spec (a whole parameter whose gradient is "
+                                      f"partial on each rank) sums its gradient; got partition_type {kind!r}. Set "
+                                      "partition_type \"skip\" or drop grad_allreduce.")
+        return GRAD_SUM, 1
+    return styles[kind], blocks
