@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .comm import TensorLink, copy_in, gather_last, reduce_out
+from .comm import SharedCopyIn, TensorLink, gather_last, reduce_out
 from .shard import TensorShard, take
 
 COLWISE, ROWWISE, EMBEDDING, LM_HEAD, GRAD_SUM = "colwise", "rowwise", "vocab_embedding", "colwise_gather", "grad_sum"
@@ -39,6 +39,7 @@ class Sharder:
         self.replaced: dict[int, torch.nn.Parameter] = {}
         self.shards: dict[int, TensorShard] = {}
         self.grad_summed: list[torch.nn.Parameter] = []
+        self.copy_in = SharedCopyIn(self.link)
 
     def apply(self, name: str, module: torch.nn.Module, style: str, blocks: int = 1) -> None:
         if style not in STYLES:
@@ -80,17 +81,17 @@ class Sharder:
     def _linear(self, name: str, module: torch.nn.Module, style: str, blocks: int) -> None:
         conv1d = _kind(module) == "conv1d"  # weight is [in, out]
         out_dim, in_dim = (1, 0) if conv1d else (0, 1)
-        link = self.link
+        link, shared = self.link, self.copy_in
         if style in (COLWISE, LM_HEAD):
             self._split(name, module, "weight", out_dim, blocks)
             if module.bias is not None:
                 self._split(name, module, "bias", 0, blocks)
-            module.register_forward_pre_hook(lambda _, args: (copy_in(args[0], link), *args[1:]))
+            module.register_forward_pre_hook(lambda _, args: (shared(args[0]), *args[1:]))
             if style == LM_HEAD:
-                module.register_forward_hook(lambda _, __, out: gather_last(out, link))
+                module.register_forward_hook(_gather_logits(link, shared))
         else:
             self._split(name, module, "weight", in_dim)
-            module.forward = types.MethodType(_row_forward(conv1d, link), module)
+            module.forward = types.MethodType(_row_forward(conv1d, link, shared), module)
         _set_features(module, conv1d)
 
     def _embedding(self, name: str, module: torch.nn.Embedding) -> None:
@@ -141,10 +142,22 @@ def _set_features(module: torch.nn.Module, conv1d: bool) -> None:
         module.out_features, module.in_features = module.weight.shape
 
 
-def _row_forward(conv1d: bool, link: TensorLink) -> Callable:
-    """A row-parallel layer: partial products summed over the group, then the (whole) bias added once."""
+def _gather_logits(link: TensorLink, shared: SharedCopyIn) -> Callable:
+    """The LM head's forward hook: its output made whole over the vocabulary; its input copy is released."""
+
+    def hook(_: torch.nn.Module, __: tuple, out: torch.Tensor) -> torch.Tensor:
+        shared.release()
+        return gather_last(out, link)
+
+    return hook
+
+
+def _row_forward(conv1d: bool, link: TensorLink, shared: SharedCopyIn) -> Callable:
+    """A row-parallel layer: partial products summed over the group, then the (whole) bias added once. It closes
+    the block whose column-parallel layers shared an input copy: that copy is released."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared.release()
         partial = x @ self.weight if conv1d else F.linear(x, self.weight)
         out = reduce_out(partial, link)
         return out + self.bias if self.bias is not None else out
