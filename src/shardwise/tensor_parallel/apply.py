@@ -49,6 +49,9 @@ def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> 
     """Split `model` in place: modules that declare a `tp_style` (shardwise.tensor_parallel.layers) and those a
     rule matches (first rule wins; "skip" leaves a module whole)."""
     _check_heads(model, link.size)
+    # the whole parameters stay alive until the split is checked: the sharder knows them by id, and a freed one's
+    # id could be given to a new shard, which would then look like a whole weight left behind
+    whole = list(model.parameters())
     sharder = Sharder(link)
     result = TensorParallelModel(link)
     divided: set[str] = set()
@@ -63,6 +66,7 @@ def parallelize(model: torch.nn.Module, rules: list[Rule], link: TensorLink) -> 
             divided.add(parent)
             _divide_head_counts(model.get_submodule(parent) if parent else model, link.size)
     _check_ties(model, sharder)
+    del whole
     by_id = {id(p): n for n, p in model.named_parameters()}
     result.shards = {by_id[i]: shard for i, shard in sharder.shards.items() if i in by_id}
     result.split_ids = set(sharder.shards)
