@@ -13,6 +13,7 @@ Sequence parallelism (activations outside the split layers hold 1/size of the to
 An all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same; the memory of norms,
 dropout and residuals is divided by the size.
 Every collective goes through `Collectives`, so it is counted in the comms log and bounded by the timeout.
+`SharedCopyIn` gives column-parallel layers that read the same tensor one `copy_in` between them.
 """
 
 from __future__ import annotations
@@ -184,3 +185,30 @@ def gather_last(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
 
 def split_last(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
     return _SplitLast.apply(x, link) if link.size > 1 else x
+
+
+class SharedCopyIn:
+    """`copy_in` shared by the column-parallel layers that read the same tensor (q/k/v, gate/up): autograd sums
+    their input gradients before the one all-reduce, as Megatron's fused layers do, instead of one all-reduce
+    of the same size per layer (all-reduce is linear, so the sum is the same). A copy is reused only for that
+    very tensor, unmodified, in the same grad mode, until `release`: the row-parallel layer or the gathering LM
+    head that closes the block calls it, so that no activation (nor its graph) is held past its block."""
+
+    def __init__(self, link: TensorLink):
+        self.link = link
+        self._last: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.link.size == 1:
+            return x
+        grad = torch.is_grad_enabled()
+        if self._last is not None:
+            src, copied, version, grad_then = self._last
+            if src is x and version == x._version and grad_then == grad:
+                return copied
+        copied = copy_in(x, self.link)
+        self._last = (x, copied, x._version, grad)
+        return copied
+
+    def release(self) -> None:
+        self._last = None

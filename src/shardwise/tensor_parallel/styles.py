@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .comm import TensorLink, copy_in, gather_last, gather_seq, reduce_out, reduce_scatter_seq, scatter_seq
+from .comm import SharedCopyIn, TensorLink, gather_last, gather_seq, reduce_out, reduce_scatter_seq, scatter_seq
 from .shard import TensorShard, take
 
 COLWISE, ROWWISE, EMBEDDING, LM_HEAD, GRAD_SUM = "colwise", "rowwise", "vocab_embedding", "colwise_gather", "grad_sum"
@@ -48,9 +48,7 @@ class Sharder:
         parameter's id could be reused by one not yet split, which would then be taken for a tied copy."""
         self.shards: dict[int, TensorShard] = {}
         self.grad_summed: list[torch.nn.Parameter] = []
-        self._entry: tuple | None = None
-        """(input, output) of the last column-parallel entry: q, k and v (gate and up) take the same input, and
-        one entry op serves them all, as Megatron's fused projections do (2 backward all-reduces per layer, not 5)."""
+        self.copy_in = SharedCopyIn(self.link)
 
     def apply(self, name: str, module: torch.nn.Module, style: str, blocks: int = 1) -> None:
         if style not in STYLES:
@@ -94,19 +92,19 @@ class Sharder:
     def _linear(self, name: str, module: torch.nn.Module, style: str, blocks: int) -> None:
         conv1d = _kind(module) == "conv1d"  # weight is [in, out]
         out_dim, in_dim = (1, 0) if conv1d else (0, 1)
-        link = self.link
+        link, shared = self.link, self.copy_in
         if style in (COLWISE, LM_HEAD):
             self._split(name, module, "weight", out_dim, blocks)
             if module.bias is not None:
                 self._split(name, module, "bias", 0, blocks)
             if style == LM_HEAD or not self.sequence_parallel:  # SEQ_ENTER gathered a sequence-parallel input
-                module.register_forward_pre_hook(lambda _, args: (self._enter(args[0]), *args[1:]))
+                module.register_forward_pre_hook(lambda _, args: (shared(args[0]), *args[1:]))
             if style == LM_HEAD:
-                module.register_forward_hook(lambda _, __, out: gather_last(out, link))
+                module.register_forward_hook(_gather_logits(link, shared))
         else:
             self._split(name, module, "weight", in_dim)
             out = reduce_scatter_seq if self.sequence_parallel else reduce_out
-            module.forward = types.MethodType(_row_forward(conv1d, link, out), module)
+            module.forward = types.MethodType(_row_forward(conv1d, link, out, shared), module)
         _set_features(module, conv1d)
 
     def _embedding(self, name: str, module: torch.nn.Embedding) -> None:
@@ -140,11 +138,6 @@ class Sharder:
                 param.register_hook(lambda grad: link.all_reduce(grad.clone()))
                 self.grad_summed.append(param)
 
-
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        if self._entry is None or self._entry[0] is not x:
-            self._entry = (x, copy_in(x, self.link))
-        return self._entry[1]
 
     def _sequence_boundary(self, module: torch.nn.Module, style: str) -> None:
         if not self.sequence_parallel:
@@ -184,11 +177,23 @@ def _set_features(module: torch.nn.Module, conv1d: bool) -> None:
         module.out_features, module.in_features = module.weight.shape
 
 
-def _row_forward(conv1d: bool, link: TensorLink, reduce: Callable) -> Callable:
+def _gather_logits(link: TensorLink, shared: SharedCopyIn) -> Callable:
+    """The LM head's forward hook: its output made whole over the vocabulary; its input copy is released."""
+
+    def hook(_: torch.nn.Module, __: tuple, out: torch.Tensor) -> torch.Tensor:
+        shared.release()
+        return gather_last(out, link)
+
+    return hook
+
+
+def _row_forward(conv1d: bool, link: TensorLink, reduce: Callable, shared: SharedCopyIn) -> Callable:
     """A row-parallel layer: partial products summed over the group (`reduce`: all-reduce, or reduce-scatter
-    along the sequence), then the (whole) bias added once."""
+    along the sequence), then the (whole) bias added once. It closes the block whose column-parallel layers shared
+    an input copy: that copy is released."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared.release()
         partial = x @ self.weight if conv1d else F.linear(x, self.weight)
         out = reduce(partial, link)
         return out + self.bias if self.bias is not None else out
