@@ -92,5 +92,5 @@ def _save_16bit(save_dir):
 
 def test_whole_model_saves_are_refused_not_partial(tmp_path):
     messages = run_distributed(_save_16bit, 2, str(tmp_path), timeout=120)
-    assert all("shardwise checkpoint consolidate" in m for m in messages)
+    assert all("shardwise checkpoint to-fp32 <save_dir> <out_dir>" in m for m in messages)
     assert not list(tmp_path.iterdir())  # nothing half-written

@@ -51,7 +51,7 @@ def whole_weights(engine: TrainingEngine, exclude_frozen: bool = False) -> dict[
     if engine.config.zero_optimization.stage == 3:
         raise CheckpointError("save_16bit_model: whole weights of a tensor-parallel model at ZeRO stage 3 are not "
                               "gathered in memory; save a checkpoint (engine.save_checkpoint) and run `shardwise "
-                              "checkpoint consolidate`, which reassembles every split parameter by name.")
+                              "checkpoint to-fp32 <save_dir> <out_dir>`, which reassembles every split parameter by name.")
     return _gather_tensor_parallel(engine, exclude_frozen)
 
 

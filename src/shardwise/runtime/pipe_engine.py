@@ -185,7 +185,7 @@ class PipelineEngine(Engine):
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> str | None:
         raise PipelineError("save_16bit_model(): each pipeline stage holds only its own layers, so no rank has the whole "
                             "model; save a checkpoint (engine.save_checkpoint) and consolidate it with `shardwise "
-                            "checkpoint consolidate`, which reads every stage's weights by name.")
+                            "checkpoint to-fp32 <save_dir> <out_dir>`, which reads every stage's weights by name.")
 
     def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor] | None:
         return self.save_16bit_model()
