@@ -254,3 +254,12 @@ def test_layer_specs_shardwise_cannot_honour_are_refused(llama, spec, message):
     with pytest.raises(TensorParallelError) as caught:
         resolve_plan(llama, {"layer_specs": [spec]})
     assert str(caught.value).startswith(message)
+
+
+def test_partition_config_keys_shardwise_does_not_read_are_refused():
+    with pytest.raises(TensorParallelError) as info:
+        resolve_plan(torch.nn.Linear(2, 2), {"layer_spec": [{"patterns": ["x"]}], "lm_head_patterns": ["head"]})
+    assert str(info.value) == (
+        "tensor_parallel.partition_config: ['layer_spec', 'lm_head_patterns'] are not read by shardwise (it reads "
+        "layer_specs, use_default_specs, tp_size, strict_mode); the embedding and LM head are split over the "
+        "vocabulary (vocab_parallel_lm_head), other modules by layer_specs. Remove them.")

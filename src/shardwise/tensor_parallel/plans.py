@@ -123,7 +123,18 @@ def _from_hf(plan: dict[str, str]) -> list[Rule]:
 SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "gather_output", "grad_allreduce", "model_types")
 
 
+PARTITION_KEYS = ("layer_specs", "use_default_specs", "tp_size", "strict_mode")
+"""DeepSpeed's partition_config keys shardwise reads (tp_size and strict_mode change nothing here: the size is
+autotp_size, and a plan matching nothing is always refused). `embedding_partition_dim` and `lm_head_patterns`
+would change what is split; they are refused rather than ignored."""
+
+
 def _layer_spec_rules(partition_config: dict, model_type: str | None) -> list[Rule]:
+    unknown = sorted(set(partition_config) - set(PARTITION_KEYS))
+    if unknown:
+        raise TensorParallelError(f"tensor_parallel.partition_config: {unknown} are not read by shardwise (it reads "
+                                  f"{', '.join(PARTITION_KEYS)}); the embedding and LM head are split over the "
+                                  "vocabulary (vocab_parallel_lm_head), other modules by layer_specs. Remove them.")
     rules = []
     for index, spec in enumerate(partition_config.get("layer_specs", [])):
         where = f"tensor_parallel.partition_config.layer_specs[{index}]"
