@@ -10,16 +10,13 @@ import torch
 import transformers
 
 from tests.harness import run_distributed
+from tests.tensor_parallel_models import VOCAB, build
 
-VOCAB, STEPS, BATCH = 64, 3, 4
+STEPS, BATCH = 3, 4
 
 
 def _model(tied: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=tied)
-    return transformers.LlamaForCausalLM(cfg)
+    return build("llama", tie=tied)
 
 
 def _batch(step: int) -> torch.Tensor:
