@@ -46,9 +46,17 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
     done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     output = done.stdout + done.stderr
     results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not results:
+    if (done.returncode != 0 and not _reference_teardown_abort(python, output)) or not results:
         raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}")
     return json.loads(results[0])
+
+
+def _reference_teardown_abort(python: str, output: str) -> bool:
+    """The real DeepSpeed's process aborting at exit, after the script reported and every rank finished training:
+    a C++ thread destroyed unjoined at interpreter shutdown ("terminate called without an active exception"),
+    seen under load in its shared-memory comm op. The results it printed are the reference's; shardwise's own runs
+    get no such pass."""
+    return python != sys.executable and "terminate called without an active exception" in output
 
 
 def _pythonpath(python: str) -> str:
