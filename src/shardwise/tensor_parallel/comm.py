@@ -25,6 +25,9 @@ import torch.distributed as dist
 
 from ..distributed import Collectives, Group
 
+SEQ_DIM = 1
+"""Activations are [batch, sequence, hidden]."""
+
 
 @dataclass(frozen=True)
 class TensorLink:
@@ -46,12 +49,6 @@ class TensorLink:
         self.comm.all_reduce(tensor, self.group, op).wait()
         return tensor
 
-    def all_gather_last(self, local: torch.Tensor) -> torch.Tensor:
-        return self.all_gather_dim(local, -1)
-
-    def slice_last(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.size, dim=-1)[self.rank].contiguous()
-
     def all_gather_dim(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         local = local.detach().contiguous()
         # a fresh flat buffer, not a view: the choke point may fill it from another thread, where a view made
@@ -67,9 +64,13 @@ class TensorLink:
         return out.view(self.chunks(full, dim)[0].shape)
 
     def chunks(self, full: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
-        if full.shape[dim] % self.size:
-            raise ValueError(f"sequence parallelism: a sequence of {full.shape[dim]} tokens cannot be split over "
-                             f"{self.size} tensor-parallel ranks; pad the sequence length to a multiple of {self.size}.")
+        n = full.shape[dim]
+        if n % self.size and dim == SEQ_DIM:
+            raise ValueError(f"sequence parallelism: a sequence of {n} tokens cannot be split over {self.size} "
+                             f"tensor-parallel ranks; pad the sequence length to a multiple of {self.size}.")
+        if n % self.size:
+            raise ValueError(f"tensor parallelism: a dim of {n} cannot be split over {self.size} tensor-parallel "
+                             f"ranks; make it a multiple of {self.size}.")
         return full.chunk(self.size, dim=dim)
 
 
@@ -94,29 +95,9 @@ class _ReduceOut(torch.autograd.Function):
         return grad, None
 
 
-class _GatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, link: TensorLink) -> torch.Tensor:
-        ctx.link = link
-        return link.all_gather_last(x)
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim`; backward reduce-scatters a partial gradient, or keeps this rank's part of a whole one."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.link.slice_last(grad), None
-
-
-class _SplitLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, link: TensorLink) -> torch.Tensor:
-        ctx.link = link
-        return link.slice_last(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.link.all_gather_last(grad), None
-
-
-class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int, partial_grad: bool) -> torch.Tensor:
         ctx.link, ctx.dim, ctx.partial_grad = link, dim, partial_grad
@@ -130,7 +111,7 @@ class _GatherSeq(torch.autograd.Function):
         return link.chunks(grad, ctx.dim)[link.rank].contiguous(), None, None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
+class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int) -> torch.Tensor:
         ctx.link, ctx.dim = link, dim
@@ -141,7 +122,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return ctx.link.all_gather_dim(grad, ctx.dim), None, None
 
 
-class _ScatterSeq(torch.autograd.Function):
+class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, link: TensorLink, dim: int) -> torch.Tensor:
         ctx.link, ctx.dim = link, dim
@@ -152,23 +133,19 @@ class _ScatterSeq(torch.autograd.Function):
         return ctx.link.all_gather_dim(grad, ctx.dim), None, None
 
 
-SEQ_DIM = 1
-"""Activations are [batch, sequence, hidden]."""
-
-
 def gather_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM, partial_grad: bool = True) -> torch.Tensor:
     """`partial_grad`: the gathered tensor feeds split layers, so each rank's gradient is a partial sum (summed by
     the backward reduce-scatter); false where every rank computes the same thing from it (the gradient is then
     whole on every rank and each keeps its tokens' part)."""
-    return _GatherSeq.apply(x, link, dim, partial_grad) if link.size > 1 else x
+    return _Gather.apply(x, link, dim, partial_grad) if link.size > 1 else x
 
 
 def reduce_scatter_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM) -> torch.Tensor:
-    return _ReduceScatterSeq.apply(x, link, dim) if link.size > 1 else x
+    return _ReduceScatter.apply(x, link, dim) if link.size > 1 else x
 
 
 def scatter_seq(x: torch.Tensor, link: TensorLink, dim: int = SEQ_DIM) -> torch.Tensor:
-    return _ScatterSeq.apply(x, link, dim) if link.size > 1 else x
+    return _Scatter.apply(x, link, dim) if link.size > 1 else x
 
 
 def copy_in(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
@@ -180,11 +157,12 @@ def reduce_out(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
 
 
 def gather_last(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
-    return _GatherLast.apply(x, link) if link.size > 1 else x
+    """The sequence ops along the last dim: what follows (the loss) is computed whole on every rank."""
+    return gather_seq(x, link, dim=-1, partial_grad=False)
 
 
 def split_last(x: torch.Tensor, link: TensorLink) -> torch.Tensor:
-    return _SplitLast.apply(x, link) if link.size > 1 else x
+    return scatter_seq(x, link, dim=-1)
 
 
 class SharedCopyIn:

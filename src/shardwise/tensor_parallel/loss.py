@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import TensorLink
+from .shard import local_index
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -21,8 +22,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = link.rank * width
         row_max = link.all_reduce(logits.max(dim=-1).values.float(), op=dist.ReduceOp.MAX)
         shifted = logits.float() - row_max.unsqueeze(-1)
-        outside = (target < start) | (target >= start + width)
-        local_target = (target - start).masked_fill(outside, 0)
+        local_target, outside = local_index(target, start, width)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp_()
         sums = link.all_reduce(torch.stack([exp.sum(dim=-1), picked]))

@@ -13,13 +13,20 @@ import torch
 
 from ..protocols.tensor_shard import TensorShard
 
-__all__ = ["TensorShard", "assemble", "take"]
+__all__ = ["TensorShard", "assemble", "local_index", "take"]
 
 
 def take(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
     """This rank's piece of `full` (a view where possible)."""
     blocks = full.unflatten(shard.dim, (shard.blocks, -1))
     return blocks.chunk(shard.size, dim=shard.dim + 1)[shard.rank].flatten(shard.dim, shard.dim + 1)
+
+
+def local_index(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into a rank's slice [start, start + width) of a vocabulary-split tensor: `ids - start` (0 where
+    outside the slice), and the mask of the ids outside it (another rank's)."""
+    outside = (ids < start) | (ids >= start + width)
+    return (ids - start).masked_fill(outside, 0), outside
 
 
 def assemble(parts: list[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .comm import SharedCopyIn, TensorLink, gather_last, gather_seq, reduce_out, reduce_scatter_seq, scatter_seq
-from .shard import TensorShard, take
+from .shard import TensorShard, local_index, take
 
 COLWISE, ROWWISE, EMBEDDING, LM_HEAD, GRAD_SUM = "colwise", "rowwise", "vocab_embedding", "colwise_gather", "grad_sum"
 SEQ_SCATTER, SEQ_ENTER, SEQ_GATHER = "sequence_scatter", "sequence_enter", "sequence_gather"
@@ -47,7 +47,6 @@ class Sharder:
         """id(whole parameter) -> (it, its split replacement). The whole one is held until splitting ends: a freed
         parameter's id could be reused by one not yet split, which would then be taken for a tied copy."""
         self.shards: dict[int, TensorShard] = {}
-        self.grad_summed: list[torch.nn.Parameter] = []
         self.copy_in = SharedCopyIn(self.link)
 
     def apply(self, name: str, module: torch.nn.Module, style: str, blocks: int = 1) -> None:
@@ -136,8 +135,6 @@ class Sharder:
         for param in module.parameters(recurse=False):
             if param.requires_grad:
                 param.register_hook(lambda grad: link.all_reduce(grad.clone()))
-                self.grad_summed.append(param)
-
 
     def _sequence_boundary(self, module: torch.nn.Module, style: str) -> None:
         if not self.sequence_parallel:
@@ -207,8 +204,7 @@ def _vocab_embedding_forward(link: TensorLink) -> Callable:
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         start = link.rank * self.num_embeddings
-        outside = (ids < start) | (ids >= start + self.num_embeddings)
-        local = (ids - start).masked_fill(outside, 0)
+        local, outside = local_index(ids, start, self.num_embeddings)
         pad = self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < self.num_embeddings else None
         rows = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
         return reduce_out(rows.masked_fill(outside.unsqueeze(-1), 0.0), link)
