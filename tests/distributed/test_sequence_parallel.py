@@ -3,74 +3,26 @@ model: losses and final weights, tied and untied embeddings, with ZeRO over the 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import transformers
 
+from tests import tensor_parallel_models as tp_models
 from tests.harness import run_distributed
-from tests.tensor_parallel_models import VOCAB, build
-
-STEPS, BATCH = 3, 4
+from tests.tensor_parallel_models import VOCAB
 
 
 def _model(tied: bool) -> torch.nn.Module:
-    return build("llama", tie=tied)
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, 12), generator=torch.Generator().manual_seed(step))
-
-
-def _oracle(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model(tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
-def _rank(tied: bool, stage: int) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    import torch.distributed as dist
-
-    import shardwise
-
-    dp = int(os.environ["WORLD_SIZE"]) // 2
-    config = {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-              "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
-    engine, *_ = shardwise.initialize(model=_model(tied), config=config)
-    rank, size = engine.topology.data.rank, BATCH // dp
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step)[rank * size:(rank + 1) * size]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
-    whole = engine._consolidated_16bit_state_dict()
-    return losses, None if whole is None else {k: v.clone() for k, v in whole.items()}
+    return tp_models.build("llama", tie=tied)
 
 
 @pytest.mark.parametrize("tied, world, stage", [(True, 2, 0), (False, 2, 1), (True, 4, 2)])
 def test_sequence_parallel_llama_matches_one_process(tied, world, stage):
-    losses, weights = run_distributed(_rank, world, tied, stage)[0]
-    want_losses, want_weights = _oracle(tied)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
-    assert weights.keys() == want_weights.keys()
-    for name, value in want_weights.items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    results = run_distributed(tp_models.run_case, world, "llama", tied, 2, stage,
+                              tensor_parallel={"sequence_parallel": True})
+    want = tp_models.oracle("llama", tied)
+    for got in results:
+        tp_models.assert_matches(got, want, label=f"tied={tied} stage={stage}")
 
 
 def _odd_sequence() -> None:

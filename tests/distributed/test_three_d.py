@@ -105,6 +105,16 @@ def three_d(tmp_path_factory):
     return results, save_dir
 
 
+def _assert_matches_oracle(results: list[dict], ref_losses: list[float], ref_params: dict) -> None:
+    """Every rank's losses, and the whole parameters assembled from every rank's shards, equal the oracle's."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["losses"], ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"rank {rank}: {m}")
+    whole = _whole_params(results)
+    assert sorted(whole) == sorted(ref_params)
+    for name, value in whole.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.fixture(scope="module")
 def oracle():
     return pm.gpt_oracle_run(STEPS_BEFORE + STEPS_AFTER, MICRO * ACCUM * 2, LR, CLIP)
@@ -113,12 +123,7 @@ def oracle():
 def test_tp2_pp2_dp2_zero1_matches_the_oracle(three_d):
     results, _ = three_d
     ref_losses, ref_params = pm.gpt_oracle_run(STEPS_BEFORE, MICRO * ACCUM * 2, LR, CLIP)
-    for rank, r in enumerate(results):
-        torch.testing.assert_close(r["losses"], ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"rank {rank}: {m}")
-    whole = _whole_params(results)
-    assert sorted(whole) == sorted(ref_params)
-    for name, value in whole.items():
-        torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    _assert_matches_oracle(results, ref_losses, ref_params)
     split = set(results[0]["shards"]) | set(results[-1]["shards"])
     assert {"0.tokens.weight", "1.qkv.weight", "1.fc2.weight", "3.lm_head.weight"} <= split  # the 3D run split them
     assert "1.ln1.weight" not in split and "0.positions.weight" not in split
@@ -160,12 +165,7 @@ def test_tp2_pp2_zero2_sgd_matches_the_oracle():
     # that element by 1.5e-5: the optimizer's conditioning, not the parallelism (the world-8 run checks AdamW)
     results = run_distributed(_train, 4, 2, 2, 2, 0, STEPS_BEFORE, optimizer="sgd", timeout=180)
     ref_losses, ref_params = pm.gpt_oracle_run(STEPS_BEFORE, MICRO * ACCUM, SGD_LR, CLIP, optimizer="sgd")
-    for rank, r in enumerate(results):
-        torch.testing.assert_close(r["losses"], ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"rank {rank}: {m}")
-    whole = _whole_params(results)
-    assert sorted(whole) == sorted(ref_params)
-    for name, value in whole.items():
-        torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    _assert_matches_oracle(results, ref_losses, ref_params)
     # two stages of one replica, no data parallelism: the model group is the whole world
     assert all(r["grid"]["groups"]["model"] == [0, 1, 2, 3] for r in results)
 
