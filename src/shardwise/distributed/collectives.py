@@ -230,6 +230,20 @@ class Collectives:
 
         return self._issue("all_gather", group, output_flat, per_rank)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> Pending:
+        """Exchange chunks: `input` (flat) is group.size equal chunks, chunk r going to rank r of the group;
+        `output` (flat, the same size, not overlapping `input`) receives chunk `group.rank` of every rank, in
+        rank order. Counted with the bytes of `input`. Always gloo's or NCCL's own all-to-all (no shared-memory
+        path: its one user, the quantized gradient reduce-scatter, sends a fraction of the fp32 bytes); gloo
+        exchanges CPU tensors of any dtype, uint8 included (checked on torch 2.13)."""
+        if input.numel() % group.size or output.numel() != input.numel():
+            raise ValueError(f"all_to_all: input and output of the same size, a multiple of the {group.name} "
+                             f"group's {group.size} ranks, are required; got {input.numel()} and {output.numel()}.")
+        if group.size == 1:
+            output.copy_(input)
+        return self._issue("all_to_all", group, input,
+                           lambda _: dist.all_to_all_single(output, input, group=group.pg, async_op=True))
+
     def send(self, tensor: torch.Tensor, peer: int, group: Group, tag: int = 0) -> Pending:
         """Post `tensor` to global rank `peer` of `group` (point to point: pipeline activations and gradients)."""
         return self._point_to_point("send", tensor, peer, group, tag, dist.isend)
