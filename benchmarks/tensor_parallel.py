@@ -173,7 +173,7 @@ def _memory_rank(rank: int, tp: int, shape: dict[str, int], seq_len: int, batch:
             "init_peak_rss_mib": init_peak, "rss_mib_after_init": after_init, "peak_rss_mib": rss_mib(),
             "train_peak_rss_mib": proc_rss_mib("VmHWM") if reset else None,
             "local_parameters": sum(p.numel() for p in engine.module.parameters()),
-            "model_state_bytes": {"parameters": b.parameters.total, "gradients": b.gradients.total,
+            "model_state_bytes": {"parameters": b.parameters.total + b.frozen_parameters.total, "gradients": b.gradients.total,
                                   "optimizer_state": b.optimizer_state.total, "total": b.model_states,
                                   "formula": b.expected_model_states}}
 

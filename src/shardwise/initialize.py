@@ -92,6 +92,7 @@ def initialize(
         dp_group=topology.data, comm=comm, zero=cfg.zero_optimization,
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
         aio=cfg.aio, counts_in_norm=split.counts_in_norm if split is not None else None,
+        **_data_splits(cfg, topology),
     ))
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
@@ -104,6 +105,16 @@ def initialize(
                                    shuffle=not isinstance(model, PipelineModule))  # DeepSpeed's pipeline reads in order
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
+
+
+def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:
+    """Stage 3's node and ZeRO++ groups (collectives over the world, made by every rank here)."""
+    zero = cfg.zero_optimization
+    if zero.stage != 3:
+        return {}
+    node = topology.data_within_node() if zero.node_local_frozen_weights else None
+    hpz = topology.data_blocks(zero.zero_hpz_partition_size) if zero.zero_hpz_partition_size > 1 else None
+    return {"node_split": node, "hpz_split": hpz}
 
 
 def _check_pipeline(cfg: Config, model: torch.nn.Module) -> None:

@@ -78,7 +78,9 @@ def test_memory_breakdown_matches_byte_counts():
     params = sum(p.numel() * 4 for p in strategy.module.parameters())
     # per-element states only: the 0-d step counters are no model state
     state = sum(t.numel() * t.element_size() for s in strategy.optimizer.state.values() for t in s.values() if t.dim())
-    assert mem.parameters.host == params and mem.parameters.device == 0
+    frozen = sum(p.numel() * 4 for p in strategy.module.frozen.parameters())
+    assert mem.parameters.host == params - frozen and mem.parameters.device == 0
+    assert mem.frozen_parameters.host == frozen and "frozen parameters" in mem.table()
     assert mem.master_weights.total == 0  # fp32: the optimizer updates the module's own parameters
     assert mem.gradients.host == (numel + 5) * 4
     assert mem.optimizer_state.host == state

@@ -74,7 +74,7 @@ def pack_job(engine: TrainingEngine, root: Path, tag: str, client_state: dict[st
     meta["frozen_parameters_excluded"] = exclude_frozen
     first_replica = engine.topology.data.rank == 0
     with engine.strategy.resident():  # offloaded (NVMe) state is read in for the snapshot
-        tensors, records = _pack(engine, include_replicated=first_replica, include_buffers=first_replica,
+        tensors, records = _pack(engine, include_buffers=first_replica,
                                  copy=copy or engine.strategy.swaps_to_disk, include_frozen=not exclude_frozen)
     persistent = set(persistent_buffers(engine.module))
     buffers = [(n, n in persistent) for n, _ in engine.module.named_buffers()] if first_replica else []
@@ -181,7 +181,7 @@ def _elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) ->
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape}
 
 
-def _pack(engine: TrainingEngine, include_replicated: bool, include_buffers: bool, copy: bool,
+def _pack(engine: TrainingEngine, include_buffers: bool, copy: bool,
           include_frozen: bool = True) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's pieces as tensors, and their index records. With `copy` the tensors are
     snapshots in host memory, so training may change the originals while they are written."""
@@ -190,7 +190,7 @@ def _pack(engine: TrainingEngine, include_replicated: bool, include_buffers: boo
     records = []
     shards, tensor_rank = engine.tensor_shards, engine.topology.tensor.rank
     for slot in engine.strategy.state_slots():
-        if (slot.replicated and not include_replicated) or (not slot.trainable and not include_frozen):
+        if slot.replica != 0 or (not slot.trainable and not include_frozen):
             continue
         shard = shards.get(slot.name)
         if shard is None and tensor_rank != 0:  # whole on every tensor-parallel rank: rank 0 writes it

@@ -1,8 +1,8 @@
 """Apply the DeepSpeed key table (`deepspeed_keys.py`) to a raw config, before validation.
 
 - `apply_spellings`: DeepSpeed's other spellings become shardwise's (aliases, `cpu_offload` flags,
-  `zero_optimization: true`), and `offload_param` below stage 3 is dropped with a note, as DeepSpeed
-  ignores it there.
+  `zero_optimization: true`), and `offload_param` and the ZeRO++ keys below stage 3 are dropped with a
+  note, as DeepSpeed ignores them there.
 - `strip_deepspeed_only`: keys that are not shardwise fields are taken out: no-ops with a one-time note
   (or warning), refused features as problems (quietly when switched off), limited keys refused when
   their value is not the one shardwise's behaviour equals. Keys the table does not know are left for
@@ -37,6 +37,7 @@ def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
     if isinstance(zero, dict):
         _old_offload_flags(zero)
         _offload_param_below_stage3(zero)
+        _zeropp_below_stage3(zero)
 
 
 def drop_untyped(raw: dict[str, Any]) -> None:
@@ -98,6 +99,21 @@ def _offload_param_below_stage3(zero: dict[str, Any]) -> None:
     note_once(logger, logging.WARNING,
               f"zero_optimization.offload_param: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); "
               "parameters stay on the device. Use offload_optimizer at stages 1-2, or stage 3.")
+
+
+ZEROPP_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_gradients": False}
+
+
+def _zeropp_below_stage3(zero: dict[str, Any]) -> None:
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage >= 3:
+        return
+    for key, off in ZEROPP_OFF.items():
+        if key in zero and zero[key] not in (off, "auto"):  # "auto" is refused by validation, at every stage
+            zero.pop(key)
+            note_once(logger, logging.WARNING,
+                      f"zero_optimization.{key}: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); "
+                      "ZeRO++ changes stage 3's weight gathers and gradient reduction. Set stage 3 to use it.")
 
 
 def strip_deepspeed_only(raw: dict[str, Any], model: type[BaseModel], problems: list[str]) -> None:

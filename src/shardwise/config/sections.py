@@ -95,6 +95,18 @@ class ZeroConfig(Section):
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+    node_local_frozen_weights: bool = True
+    """Stage 3: parameters that do not train are partitioned over the data-parallel ranks of one node only (a
+    whole copy per node), so after loading they never cross the network between nodes. Changes nothing on one
+    node or without frozen parameters; false partitions them over every rank, as DeepSpeed does."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """ZeRO++ hpZ (stage 3): after a forward all-gather each rank keeps 1/size of the whole weights, and later
+    gathers before the next step come from these blocks of `size` consecutive ranks (one node's)."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): weight all-gathers across the data group travel as int8 with a scale per block."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ (stage 3): the gradient reduce-scatter travels as 4-bit values with a scale per block (an
+    all-to-all; each rank sums what it owns)."""
 
     @field_validator("overlap_comm", mode="before")
     @classmethod

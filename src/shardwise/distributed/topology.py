@@ -9,12 +9,17 @@ where its per-layer all-reduces belong).
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pipe", "data", "tensor")
+NODE_ENV = "SHARDWISE_NODE"
+"""Names this process's node where the hostname does not tell nodes apart (containers or network namespaces
+sharing one hostname; tests that simulate nodes)."""
 MODEL_AXIS = "model"
 """DeepSpeed's and Megatron's name for the tensor axis, accepted by `ProcessTopology`."""
 
@@ -27,6 +32,20 @@ class Group:
     pg: dist.ProcessGroup
     size: int
     rank: int
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """The data-parallel group cut into parts (its ranks on one node; ZeRO++'s secondary partitions): this
+    rank's part, and which of the data group's `parts` it is."""
+
+    group: Group
+    index: int
+    parts: int
+
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))
 
 
 class ProcessTopology:
@@ -107,6 +126,8 @@ class Topology:
         self.mesh: DeviceMesh = init_device_mesh(device_type, (pipe, data, tensor), mesh_dim_names=AXES)
         self.world = Group("world", dist.group.WORLD, world, dist.get_rank())
         self._model = _pipe_by_tensor_group(pipe, data, tensor)
+        self._nodes: list[str] | None = None
+        self._data_splits: dict[str, DataSplit | None] = {}
 
     def group(self, axis: str) -> Group:
         if axis not in self.sizes:
@@ -138,6 +159,60 @@ class Topology:
             return self._model
         axis = self.tensor if self.sizes["pipe"] == 1 else self.pipe
         return Group("model", axis.pg, axis.size, axis.rank)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Each global rank's node (`SHARDWISE_NODE`, else its hostname): a collective over the world on first use."""
+        if self._nodes is None:
+            nodes: list[str] = [""] * self.world.size
+            dist.all_gather_object(nodes, os.environ.get(NODE_ENV) or socket.gethostname())
+            self._nodes = nodes
+        return self._nodes
+
+    def data_within_node(self) -> DataSplit | None:
+        """This rank's data-parallel peers on its own node, or None when each data group is on one node.
+        Collective over the world on first use (every rank asks at the same point)."""
+        if "node" not in self._data_splits:
+            parts = [self._by_node(ranks) for ranks in self._data_members()]
+            self._data_splits["node"] = None if all(len(p) == 1 for p in parts) else self._split("node", parts)
+        return self._data_splits["node"]
+
+    def data_blocks(self, size: int) -> DataSplit:
+        """This rank's block of `size` consecutive data-parallel ranks (ZeRO++'s secondary partition group);
+        refused when `size` does not divide the data group or a block would span nodes."""
+        key = f"hpz{size}"
+        if key not in self._data_splits:
+            data, members = self.sizes["data"], self._data_members()
+            if data % size:
+                raise ValueError(f"zero_optimization.zero_hpz_partition_size: must divide the data-parallel size "
+                                 f"({data}); got {size}. Set it to the number of data-parallel ranks per node.")
+            parts = [[ranks[i : i + size] for i in range(0, data, size)] for ranks in members]
+            for block in (b for blocks in parts for b in blocks):
+                hosts = _unique(self.nodes[r] for r in block)
+                if len(hosts) > 1:
+                    fewest = min(len(n) for ranks in members for n in self._by_node(ranks))
+                    raise ValueError(
+                        f"zero_optimization.zero_hpz_partition_size: {size} puts ranks {block} of nodes {hosts} in "
+                        "one secondary partition, whose backward all-gathers would cross nodes; set it to the number "
+                        f"of data-parallel ranks per node (at most {fewest}), or 1 to turn it off.")
+            self._data_splits[key] = self._split("hpz", parts)
+        return self._data_splits[key]  # type: ignore[return-value]
+
+    def _data_members(self) -> list[list[int]]:
+        """The global ranks of every data-parallel group."""
+        return ProcessTopology(list(AXES), [self.sizes[a] for a in AXES]).get_axis_comm_lists("data")
+
+    def _by_node(self, ranks: list[int]) -> list[list[int]]:
+        return [[r for r in ranks if self.nodes[r] == n] for n in _unique(self.nodes[r] for r in ranks)]
+
+    def _split(self, name: str, parts: list[list[list[int]]]) -> DataSplit:
+        """Groups for every data group's `parts` (a collective over the world); this rank's."""
+        pg, _ = dist.new_subgroups_by_enumeration([p for group in parts for p in group])
+        for group in parts:
+            for index, part in enumerate(group):
+                if self.world.rank in part:
+                    return DataSplit(Group(name, pg, len(part), part.index(self.world.rank)), index, len(group))
+        raise AssertionError("every rank is in one part")
 
     def pipe_peer(self, stage: int) -> int:
         """The global rank of pipeline stage `stage` with this rank's data and tensor coordinates."""

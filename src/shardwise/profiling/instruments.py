@@ -124,7 +124,8 @@ class Instruments:
     def _report_memory(self, samples: int) -> None:
         mem = self.memory_breakdown()
         mb = 2.0**20
-        values = {"parameters": mem.parameters.total, "master_weights": mem.master_weights.total,
+        values = {"parameters": mem.parameters.total, "frozen_parameters": mem.frozen_parameters.total,
+                  "master_weights": mem.master_weights.total,
                   "gradients": mem.gradients.total, "optimizer_state": mem.optimizer_state.total,
                   "buffers": mem.buffers.total}
         if mem.activations_peak is not None:

@@ -139,6 +139,10 @@ def measured_bytes(strategy: ShardingStrategy) -> ModelStateBytes:
 @dataclass(frozen=True)
 class MemoryBreakdown:
     parameters: Bytes
+    """The trained parameters as this rank stores them."""
+    frozen_parameters: Bytes
+    """Those that do not train (a LoRA fine-tune's base model): at stage 3 across nodes a whole copy per node
+    (`node_local_frozen_weights`), partitioned within it."""
     master_weights: Bytes
     """fp32 copies the optimizer updates when the module computes in 16 bits; 0 when they are the parameters."""
     gradients: Bytes
@@ -155,7 +159,8 @@ class MemoryBreakdown:
 
     @property
     def model_states(self) -> int:
-        return sum(b.total for b in (self.parameters, self.master_weights, self.gradients, self.optimizer_state))
+        return sum(b.total for b in (self.parameters, self.frozen_parameters, self.master_weights, self.gradients,
+                                     self.optimizer_state))
 
     def table(self) -> str:
         categories = [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), Bytes)]
@@ -186,7 +191,8 @@ def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: in
                      activations_peak: int | None = None) -> MemoryBreakdown:
     module, optimizer, held = strategy.module, strategy.optimizer, strategy.model_state_tensors()
     seen: set[tuple[str, int]] = set()
-    parameters = _tally([*held.params, *held.frozen], seen)
+    parameters = _tally(held.params, seen)
+    frozen = _tally(held.frozen, seen)
     masters = _tally(held.masters, seen)
     loose = [p.grad for p in module.parameters() if p.grad is not None]
     gradients = _tally([*held.grads, *loose], seen)
@@ -199,7 +205,7 @@ def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: in
                                      dp_size)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return MemoryBreakdown(parameters, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)
+    return MemoryBreakdown(parameters, frozen, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)
 
 
 def _whole_numel(p: torch.Tensor) -> int:

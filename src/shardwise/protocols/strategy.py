@@ -18,6 +18,7 @@ import torch
 from ..config import ZeroConfig
 from ..config.sections import AioConfig
 from ..distributed import Collectives, Group
+from ..distributed.topology import DataSplit
 from ..precision import PrecisionPolicy
 
 ParamGroups = list[dict[str, Any]]
@@ -46,8 +47,9 @@ class StateSlot:
     trainable: bool
     opt_param: torch.Tensor | None = None
     opt_offset: int = 0
-    replicated: bool = False
-    """Every data-parallel rank holds the same slot: only rank 0 writes it."""
+    replica: int = 0
+    """Which copy of this piece the rank holds where several hold the same one (each data-parallel rank at
+    stages 0-2; each node for node-local frozen weights at stage 3): only copy 0 is written or counted."""
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,8 @@ class StrategyInputs:
     counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None
     """Whether a parameter's gradient counts in this rank's share of the norm (None: every one). Tensor
     parallelism counts a replicated parameter on one tensor-parallel rank only."""
+    node_split: DataSplit | None = None
+    """Stage 3: the data group's ranks on this rank's node, where the group spans nodes and frozen weights are
+    kept node-local (`node_local_frozen_weights`); None otherwise."""
+    hpz_split: DataSplit | None = None
+    """Stage 3: ZeRO++'s secondary partition group (`zero_hpz_partition_size` > 1), else None."""

@@ -69,7 +69,7 @@ def _get_full(param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
         shape = pieces[0][0].shape if pieces else tuple(getattr(param, "ds_shape", param.shape))
         full = torch.zeros(torch.Size(shape).numel(), dtype=torch.float32, device=engine.device)
         for slot, piece in pieces:
-            if not slot.replicated or group.rank == 0:  # a replicated slot is summed once, from rank 0
+            if slot.replica == 0:  # a piece several ranks hold is summed once
                 full[slot.start : slot.end] = piece.to(full.device, torch.float32)
     engine.comm.all_reduce(full, group).wait()
     return full.view(shape)

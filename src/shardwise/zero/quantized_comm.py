@@ -26,7 +26,7 @@ import torch
 from ..distributed import Collectives, Group
 from ..distributed.collectives import Pending
 from .quantize import BlockQuant
-from .reducers import BucketLike, GradAveraging, Reduction, l2_norm
+from .reducers import BucketLike, GradAveraging, Reduction, partitioned_norm
 
 __all__ = ["QuantizedGather", "QuantizedReduceScatter", "quantized_all_gather"]
 
@@ -106,7 +106,4 @@ class QuantizedReduceScatter:
         return Reduction(pending, then)
 
     def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
-        """Each rank holds a different part: the squares are summed across the group."""
-        squared = l2_norm(results).pow(2).reshape(1)
-        self.comm.all_reduce(squared, self.group).wait()
-        return squared.sqrt()[0]
+        return partitioned_norm(self.comm, self.group, results)

@@ -135,7 +135,11 @@ class ReduceScatterMean:
         return Reduction(self.comm.reduce_scatter(out, wire, self.group), then)
 
     def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
-        """Each rank holds a different part: the squares are summed across the group."""
-        squared = l2_norm(results).pow(2).reshape(1)
-        self.comm.all_reduce(squared, self.group).wait()
-        return squared.sqrt()[0]
+        return partitioned_norm(self.comm, self.group, results)
+
+
+def partitioned_norm(comm: Collectives, group: Group, results: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm when each rank holds a different part: the squares are summed across the group."""
+    squared = l2_norm(results).pow(2).reshape(1)
+    comm.all_reduce(squared, group).wait()
+    return squared.sqrt()[0]

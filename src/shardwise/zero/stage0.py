@@ -50,6 +50,7 @@ class DataParallel(BucketedGrads):
         module, precision = inputs.module, inputs.precision
         self.module = module
         self.precision = precision
+        self.group = inputs.dp_group
         self.params = trainable_parameters(module)
         if precision.mixed:
             # Masters come from the fp32 weights before the module is cast, so nothing is rounded away.
@@ -97,10 +98,10 @@ class DataParallel(BucketedGrads):
 
     def state_slots(self) -> list[StateSlot]:
         names = {id(p): n for n, p in self.module.named_parameters()}
-        slots = [StateSlot(names[id(p)], tuple(p.shape), 0, p.numel(), m.detach().view(-1), True, m, replicated=True)
+        slots = [StateSlot(names[id(p)], tuple(p.shape), 0, p.numel(), m.detach().view(-1), True, m, replica=self.group.rank)
                  for p, m in zip(self.params, self.masters)]
         trainable = {id(p) for p in self.params}
-        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
+        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replica=self.group.rank)
                   for n, p in self.module.named_parameters() if id(p) not in trainable]
         return slots
 

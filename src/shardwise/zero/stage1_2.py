@@ -127,7 +127,7 @@ class ShardedDataParallel(BucketedGrads):
                 slots.append(StateSlot(names[id(p)], tuple(p.shape), start, end, master.detach()[at : at + end - start],
                                        True, master, at))
         in_buckets = {id(p) for b in self.buckets.buckets for p in b.params}
-        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replicated=True)
+        slots += [StateSlot(n, tuple(p.shape), 0, p.numel(), p.detach().view(-1), False, replica=self.group.rank)
                   for n, p in self.module.named_parameters() if id(p) not in in_buckets]
         return slots
 

@@ -93,15 +93,15 @@ class Stage3Hooks:
             return
         self.units_of[self.running[-1]].append(unit)
         unit.users += 1
-        unit.wait()
+        unit.wait(approximate=True)
 
     def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
         self.trace.record(event, units)
         for unit in units:
-            unit.gather_async()
+            unit.gather_async(approximate=True)
         self._prefetch()
         for unit in units:
-            unit.wait()
+            unit.wait(approximate=True)
 
     def _prefetch(self) -> None:
         """Keep the next `prefetch_numel` elements of upcoming units gathered or in flight. Units fetched
@@ -124,7 +124,7 @@ class Stage3Hooks:
             if unit.state is UnitState.SHARDED:
                 if self.live.live + unit.numel > self.max_live:
                     return
-                unit.gather_async()
+                unit.gather_async(approximate=True)
         self._all_ahead_fetched = now
 
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:

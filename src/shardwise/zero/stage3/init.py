@@ -167,6 +167,12 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self._hold.__exit__(*exc)
 
     def _broadcast_changes(self) -> None:
+        inexact = [u.module_name for u in self._units if not u.exact]
+        if inexact:
+            raise RuntimeError(
+                f"GatheredParameters(modifier_rank={self.modifier_rank}): the weights of {inexact[:3]} were gathered "
+                "for a running forward as zero_quantized_weights' int8 approximation; writing them back would replace "
+                "the master weights with it. Modify parameters outside the model's forward.")
         for p in self.params:
             owner = UNIT_OF.get(p) or INIT_SHARD_OF[p]
             owner.comm.broadcast(p.data, self.modifier_rank, owner.group).wait()
@@ -177,6 +183,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
                     unit.master.data.copy_(unit.full[lo:hi])
             if not unit.aliased:
                 unit.home.store(unit.index, unit.shard, unit.full[lo:hi])
+            unit.drop_secondary()
 
 
 def unit_master_resident(unit: Any) -> contextlib.AbstractContextManager:

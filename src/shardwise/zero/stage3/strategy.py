@@ -8,6 +8,11 @@ optimizer step the updated slices simply stay where they are: the next forward g
 `reduce_bucket_size` is not used at stage 3: a unit's gradients are reduce-scattered in one call as
 soon as they are complete, so the unit (a module's parameters) is the bucket.
 
+Frozen parameters are partitioned over the data-parallel ranks of one node only when the data group spans
+nodes (`node_local_frozen_weights`): a whole copy per node, so the network between nodes carries only what
+trains. ZeRO++ (`zero_hpz_partition_size`, `zero_quantized_weights`, `zero_quantized_gradients`) changes
+how the hooks' gathers and the gradient reduce-scatter travel (`unit.py`, [Note: approximate gathers]).
+
 `module.state_dict()` does not communicate at stage 3: it returns what this rank holds, whole values for
 gathered parameters and empty placeholders (with a warning) for partitioned ones, so that a rank calling it
 alone cannot hang; `consolidated_state_dict` is the collective that returns whole weights on rank 0
@@ -23,12 +28,20 @@ import torch
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, StateSlot, StrategyInputs
 from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
+from ..quantize import BlockQuant
+from ..quantized_comm import QuantizedReduceScatter
 from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
 from .init import check_shapes
 from .state_dict import LocalStateDict, consolidated_state_dict
 from .unit import LiveParams, ParamUnit
+
+
+WEIGHT_QUANT = BlockQuant(bits=8, block=256)
+"""qwZ: DeepSpeed's ZeRO++ gathers weights as int8 with a scale per block."""
+GRAD_QUANT = BlockQuant(bits=4, block=256)
+"""qgZ: and reduces gradients as 4-bit values (an fp32 gradient travels in 0.52 bytes per element)."""
 
 
 class Stage3(BucketedGrads):
@@ -45,16 +58,23 @@ class Stage3(BucketedGrads):
         self.unit_group: dict[int, int] = {}
         plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), zero.stage3_param_persistence_threshold)
         for module_name, group_index, named, persistent in plans:
-            unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm, self.group,
-                              self.live, device, persistent, trainable=group_index >= 0,
-                              offload=self.offload, home=self.param_home)
+            node = inputs.node_split if group_index < 0 else None  # frozen: partitioned within the node
+            unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm,
+                              node.group if node else self.group, self.live, device, persistent,
+                              trainable=group_index >= 0, offload=self.offload, home=self.param_home)
+            if node is not None:
+                unit.replica = node.index
+            else:
+                unit.secondary_group = inputs.hpz_split.group if inputs.hpz_split and not persistent else None
+                unit.quant = WEIGHT_QUANT if zero.zero_quantized_weights else None
             self.units.append(unit)
             self.unit_group[unit.index] = group_index
         if self.precision.mixed:
             self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
         self.trainable = [u for u in self.units if u.master is not None]
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
-        reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True)
+        reducer = (QuantizedReduceScatter(self.comm, self.group, averaging, GRAD_QUANT) if zero.zero_quantized_gradients
+                   else ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True))
         buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
                           partitioned=True) for u in reversed(self.trainable)]
         self._bucket_unit = list(reversed(self.trainable))
@@ -101,8 +121,9 @@ class Stage3(BucketedGrads):
         with torch.no_grad():
             self.offload.step(self.optimizer, self.masters, [grads[id(u)] for u in self.trainable],
                               lambda i: self.trainable[i].write_back())
-        for unit in self.units:  # every gathered copy is stale now
+        for unit in self.trainable:  # every gathered copy is stale now
             unit.release(force=True)
+            unit.drop_secondary()
         self._gather_persistent()
 
     def sync_params(self) -> None:
@@ -136,12 +157,13 @@ class Stage3(BucketedGrads):
         with self.resident(), torch.no_grad():
             for unit in self.units:
                 target = unit.master if unit.master is not None else unit.shard
-                for position, start, end, at in unit.layout.pieces(self.group.rank, self.group.size):
+                for position, start, end, at in unit.layout.pieces(unit.group.rank, unit.group.size):
                     name = unit.names[position]
                     if name in state:
                         target[at : at + end - start] = state[name].reshape(-1)[start:end]
                 unit.write_back()
                 unit.release(force=True)
+                unit.drop_secondary()
         buffers = {k: v for k, v in state.items() if k not in names}
         self.module.load_state_dict(buffers, strict=False)
         self._gather_persistent()
@@ -151,9 +173,10 @@ class Stage3(BucketedGrads):
         slots = []
         for unit in self.units:
             source = unit.master.detach() if unit.master is not None else unit.shard
-            for position, start, end, at in unit.layout.pieces(self.group.rank, self.group.size):
+            for position, start, end, at in unit.layout.pieces(unit.group.rank, unit.group.size):
                 slots.append(StateSlot(unit.names[position], tuple(unit.shapes[position]), start, end,
-                                       source[at : at + end - start], unit.master is not None, unit.master, at))
+                                       source[at : at + end - start], unit.master is not None, unit.master, at,
+                                       replica=unit.replica))
         return slots
 
     def resident(self) -> contextlib.AbstractContextManager:
@@ -168,6 +191,7 @@ class Stage3(BucketedGrads):
                 unit.write_back()
         for unit in self.units:
             unit.release(force=True)
+            unit.drop_secondary()
         self._gather_persistent()
 
     @property
@@ -175,8 +199,9 @@ class Stage3(BucketedGrads):
         return self.offload.swaps_to_disk or self.param_home.swaps_to_disk
 
     def model_state_tensors(self) -> ModelStateTensors:
-        def stored(units: list[ParamUnit]) -> list[torch.Tensor]:  # slices, and whole copies kept resident
-            return [u.shard for u in units] + [u.full for u in units if u.persistent]
+        def stored(units: list[ParamUnit]) -> list[torch.Tensor]:  # slices, whole copies kept resident, hpZ blocks
+            return ([u.shard for u in units] + [u.full for u in units if u.persistent]
+                    + [u.secondary for u in units if u.secondary is not None])
 
         frozen = [u for u in self.units if u.master is None]
         return ModelStateTensors(stored(self.trainable), stored(frozen), self.buckets.shard_grads(), self.masters,

@@ -8,6 +8,14 @@ points each parameter at an empty placeholder, so that reading a released parame
 error rather than a read of freed memory. A release that ends a `GatheredParameters` block instead hands
 the gathered storage over to whatever still references it (the caller's `p.data` copies: freed with them)
 and takes a fresh one (`keep_copies`).
+
+[Note: approximate gathers] The gathers the forward and backward hooks make may take two shortcuts
+(`approximate=True`), both ZeRO++'s: with a secondary group (hpZ) the first gather after a step keeps this
+rank's 1/size of the whole weights, and the gathers after it, until the next step, assemble them from the
+node's ranks only; with `quant` (qwZ) a gather across the data group travels as int8 blocks, so the compute
+sees the dequantized weights (the masters stay exact). Every other gather (checkpoints, `GatheredParameters`,
+whole weights, the persistent units) is exact, and a unit gathered approximately is regathered exactly for it
+when nothing holds it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 from ...distributed import Collectives, Group
 from ...distributed.collectives import Pending
 from ..flat_param import BucketLayout
+from ..quantized_comm import quantized_all_gather
 
 
 class UnitState(enum.Enum):
@@ -70,10 +79,19 @@ class ParamUnit:
     """The optimizer-offload policy holding `master` (GatheredParameters may need it resident)."""
     device: torch.device | None = None
     """The compute device the full parameters are gathered on."""
+    replica: int = 0
+    """Which node's copy this is, for a frozen unit partitioned within nodes (checkpoints write copy 0)."""
+    secondary_group: Group | None = None
+    """ZeRO++ hpZ: the node's ranks that approximate gathers assemble from ([Note: approximate gathers])."""
+    quant: Any = None
+    """ZeRO++ qwZ: the `BlockQuant` approximate gathers across `group` travel in, or None."""
     state: UnitState = UnitState.SHARDED
+    exact: bool = True
+    """The full parameters (when gathering or full) are the stored values, not an approximation of them."""
     users: int = 0
     _pending: Pending | None = None
     _source: torch.Tensor | None = None
+    _secondary: torch.Tensor | None = None
     full: torch.Tensor = field(init=False)
     _views: list[torch.Tensor] = field(init=False)
     _placeholders: list[torch.Tensor] = field(init=False)
@@ -114,26 +132,47 @@ class ParamUnit:
             raise RuntimeError(f"ZeRO-3 unit {self.module_name!r}: is {self.state.value}, expected "
                                f"{' or '.join(s.value for s in states)}; the gather/release order is broken.")
 
-    def gather_async(self) -> None:
-        """Start the all-gather if the unit is sharded; a no-op when gathering or full."""
+    def gather_async(self, approximate: bool = False) -> None:
+        """Start the all-gather if the unit is sharded; a no-op when gathering or full. `approximate` allows
+        ZeRO++'s shortcuts ([Note: approximate gathers])."""
         if self.state is not UnitState.SHARDED:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self._source = self.home.fetch(self.index, self.shard, self.full.device)  # alive until the gather is done
-        self._pending = self.comm.all_gather(self.full, self._source, self.group)
+        approximate = approximate and not self.persistent
+        if approximate and self._secondary is not None:
+            self._pending = self.comm.all_gather(self.full, self._secondary, self.secondary_group)
+        else:
+            self._source = self.home.fetch(self.index, self.shard, self.full.device)  # alive until the gather is done
+            if approximate and self.quant is not None:
+                self._pending = quantized_all_gather(self.comm, self.full, self._source, self.group, self.quant)
+            else:
+                self._pending = self.comm.all_gather(self.full, self._source, self.group)
+        self.exact = not approximate or self.quant is None
         self.state = UnitState.GATHERING
         if not self.persistent:
             self.live.add(self.numel)
 
-    def wait(self) -> None:
+    def wait(self, approximate: bool = False) -> None:
         """Block until full; afterwards the module's parameters hold the whole tensors."""
-        self.gather_async()
+        self.gather_async(approximate)
         if self.state is UnitState.GATHERING:
             self._pending.wait()
             self._pending = self._source = None
+            if self.secondary_group is not None and self._secondary is None and not self.persistent:
+                lo, hi = self.layout.shard_range(self.secondary_group.rank, self.secondary_group.size)
+                self._secondary = self.full[lo:hi].clone()
             for p, view in zip(self.params, self._views):
                 p.data = view
             self.state = UnitState.FULL
+
+    def drop_secondary(self) -> None:
+        """The stored values changed (a step, a load): the next gather comes from the primary slices."""
+        self._secondary = None
+
+    @property
+    def secondary(self) -> torch.Tensor | None:
+        """hpZ's kept block of the whole weights, while valid (for the memory account)."""
+        return self._secondary
 
     def write_back(self) -> None:
         """After the optimizer step: the updated master slice becomes the stored 16-bit slice."""
@@ -164,6 +203,9 @@ def held(units: list[ParamUnit], keep_copies: bool = False) -> Iterator[None]:
     """The units gathered for the duration (a collective: every rank must hold the same units in the same
     order); afterwards each is released unless something else still holds it."""
     for unit in units:
+        if not unit.exact and unit.users == 0 and unit.state is not UnitState.SHARDED:
+            unit.wait()
+            unit.release()  # gathered for the forward, approximately: gather the stored values instead
         unit.users += 1
         unit.gather_async()
     try:
