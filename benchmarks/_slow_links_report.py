@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,9 @@ def _cell(row: dict[str, Any] | None) -> str:
     if row is None:
         return "-"
     if "error" in row:
+        if row["error"].startswith("ConfigError"):  # keys this version does not have yet: name them
+            keys = sorted(set(re.findall(r"zero_optimization\.(\w+):", row["error"])))
+            return "refused: " + ", ".join(keys)
         return "error: " + row["error"].splitlines()[0][:48]
     return f"{row['step_time_s_median']:.3f} s {row['inter_host_tx_mb_per_step']:.2f} MB"
 

@@ -62,12 +62,13 @@ CONFIGS: dict[str, Config] = {
     "node-local": Config(4, 1, {"node_local_frozen_weights": "auto"}, "frozen weights partitioned within a node"),
     "qwz": Config(4, 1, {**_PLAIN, "zero_quantized_weights": True}, "int8 weight all-gathers"),
     "qgz": Config(4, 1, {**_PLAIN, "zero_quantized_gradients": True}, "4-bit gradient reduce-scatter"),
+    "defaults-2x2": Config(2, 2, {}, "the library's defaults on hpz's layout"),
     "zero3-2x2": Config(2, 2, dict(_PLAIN), "plain ZeRO-3 on hpz's layout (its reference)"),
     "hpz": Config(2, 2, {**_PLAIN, "zero_hpz_partition_size": 2}, "secondary weight partition within a node"),
     "zeropp": Config(2, 2, {**_PLAIN, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
                             "zero_quantized_gradients": True}, "hpz + qwz + qgz"),
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if c != "defaults"]
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.startswith("defaults")]
 # name -> (tc rate, one-way delay in ms); the delay needs netem (see _netns.py)
 LINKS: dict[str, tuple[str | None, float]] = {"unshaped": (None, 0.0), "10gbit": ("10gbit", 0.05),
                                                "1gbit": ("1gbit", 0.2)}
@@ -199,7 +200,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                                                                           counts[model])
                     row.update(zero=spec["zero"], wall_s=round(time.perf_counter() - started, 1))
                     results[model][name][link] = row
-                    log(f"[{link} {model} {name}] {row.get('error') or row['step_time_s_median']} ({row['wall_s']} s)")
+                    outcome = row["error"][:100] if "error" in row else f"{row['step_time_s_median']} s/step"
+                    log(f"[{link} {model} {name}] {outcome} (run: {row['wall_s']} s)")
                 shaping[link] = {**net.shaping.__dict__, "qdisc_counters_per_host": net.qdisc_stats()}
     return {"results": results, "links": shaping, "oracles": oracles, "counts": counts}
 
@@ -207,7 +209,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="lora,full", help="of " + ",".join(MODELS))
-    parser.add_argument("--configs", default=None, help=f"of {','.join(CONFIGS)} (default: all but defaults)")
+    parser.add_argument("--configs", default=None, help=f"of {','.join(CONFIGS)} (default: all but defaults*)")
     parser.add_argument("--links", default=",".join(LINKS), help="of " + ",".join(LINKS))
     parser.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 2; --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 5; --quick 2)")
