@@ -43,25 +43,54 @@ def gloo_reduce_sends(total: int, world: int, rank: int, element: int = 4, max_s
     return ring, gather
 
 
-def expected_tx_bytes(comm_per_step: dict[str, dict[str, Any]], group_sizes: dict[str, int], rank: int) -> float:
-    """Bytes per step `rank` (alone on its host) should send, from what its comm stats counted."""
-    total = 0.0
+def _tree_sends(world: int, root: int) -> list[tuple[int, int]]:
+    """(sender, receiver) of gloo's binomial-tree broadcast from `root`, one chunk each."""
+    dim = max(1, math.ceil(math.log2(world)))
+    sends = []
+    for vrank in range(world):
+        mask = (1 << dim) - 1
+        for i in range(dim):
+            mask ^= 1 << i
+            vpeer = vrank ^ (1 << i)
+            if vrank & mask == 0 and vpeer < world and not vrank & (1 << i):
+                sends.append(((vrank + root) % world, (vpeer + root) % world))
+    return sends
+
+
+def _sends(op: str, nbytes: int, world: int) -> list[tuple[int, int, float]]:
+    """(sender, receiver, bytes) of one collective as shardwise issues it on gloo ([Note: bytes on the wire])."""
+    if op == "reduce_scatter":  # one reduce per rank, of the rank's chunk, rooted at that rank
+        out = []
+        for root in range(world):
+            for r in range(world):
+                ring, gather = gloo_reduce_sends(nbytes // world, world, r)
+                out.append((r, (r - 1) % world, ring))
+                if r != root:
+                    out.append((r, root, gather))
+        return out
+    if op == "all_reduce":  # ring: every rank sends 2(W-1)/W of it to its neighbour
+        return [(r, (r + 1) % world, 2 * (world - 1) / world * nbytes) for r in range(world)]
+    if op == "all_gather":  # one broadcast per rank, of the rank's chunk
+        return [(s, d, nbytes / world) for root in range(world) for s, d in _tree_sends(world, root)]
+    # a broadcast (its root is not recorded: the average over roots) or an op gloo does not have
+    return [(s, d, nbytes / world) for root in range(world) for s, d in _tree_sends(world, root)]
+
+
+def expected_tx_bytes(comm_per_step: dict[str, dict[str, Any]], group_sizes: dict[str, int],
+                      host_of: list[int]) -> list[float]:
+    """Bytes per step each host should send to other hosts, from rank 0's comm stats (every rank issues the
+    same collectives), for groups spanning every rank in rank order ("data"); `host_of[rank]` is its host."""
+    world = len(host_of)
+    per_host = [0.0] * (max(host_of) + 1)
     for group, ops in comm_per_step.items():
-        w = group_sizes.get(group, 1)
-        if w == 1 or group in INTRA_NODE_GROUPS:
+        if group_sizes.get(group, 1) != world or group in INTRA_NODE_GROUPS:
             continue
         for op, stats in ops.items():
             for size, calls in stats["by_size"].items():
-                n = int(size)
-                if op == "reduce_scatter":
-                    ring, gather = gloo_reduce_sends(n // w, w, rank)
-                    sent = w * ring + (w - 1) * gather
-                elif op == "all_reduce":
-                    sent = 2 * (w - 1) / w * n
-                else:  # all_gather (per-rank broadcasts), broadcast (averaged over roots), anything new
-                    sent = (w - 1) / w * n
-                total += calls * sent
-    return total
+                for src, dst, nbytes in _sends(op, int(size), world):
+                    if host_of[src] != host_of[dst]:
+                        per_host[host_of[src]] += calls * nbytes
+    return per_host
 
 
 MODEL_SCHEMES = ("zero3", "node-local", "qwz", "qgz", "hpz", "zeropp")

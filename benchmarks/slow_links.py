@@ -147,12 +147,14 @@ def summarize(ranks: list[dict[str, Any]], name: str, oracle: list[float] | None
     if oracle is not None:
         row["oracle_losses"] = [round(x, 6) for x in oracle]
         row["oracle_max_rel_gap"] = float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses, oracle)):.3g}")
-    if config.ranks_per_host == 1:  # gloo's algorithms say what each rank puts on the wire ([Note: bytes on the wire])
-        expected = [expected_tx_bytes(r["comm_per_step"], r["group_sizes"], r["rank"]) for r in ranks]
-        measured = [r["interface"]["tx_bytes"] / n for r in ranks]
-        row["tx_over_expected_per_host"] = [round(m / e, 4) if e else None for m, e in zip(measured, expected)]
-        data = sum(op["bytes"] for op in ranks[0]["comm_per_step"].get("data", {}).values())
-        row["tx_over_data_group_bytes"] = round(statistics.fmean(measured) / data, 4) if data else None
+    # gloo's algorithms say what each host puts on the wire ([Note: bytes on the wire] in _slow_links_report.py)
+    host_of = [r // config.ranks_per_host for r in range(WORLD)]
+    expected = expected_tx_bytes(ranks[0]["comm_per_step"], ranks[0]["group_sizes"], host_of)
+    measured = [i["tx_bytes"] for i in interface]
+    row["expected_tx_mb_per_step_per_host"] = [round(e / 1e6, 3) for e in expected]
+    row["tx_over_expected_per_host"] = [round(m / e, 4) if e else None for m, e in zip(measured, expected)]
+    data = sum(op["bytes"] for op in ranks[0]["comm_per_step"].get("data", {}).values())
+    row["tx_over_data_group_bytes"] = round(statistics.fmean(measured) / data, 4) if data else None
     row["model_ratio_issued"] = model_ratio_issued(row, name, counts, config.hosts, config.ranks_per_host)
     return row
 
