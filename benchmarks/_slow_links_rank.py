@@ -4,7 +4,7 @@
 
 Builds the model of SPEC, trains `warmup` steps, then, after a barrier, resets the engine's comm stats,
 reads this host's interface counters (sysfs of its network namespace) and trains `steps` measured steps,
-timing each (forward + backward + step). Writes OUT.json:
+timing each (forward + backward + step); after another barrier it reads the counters again. Writes OUT.json:
 the per-step times, losses (warm-up included, for the oracle), comm bytes and calls per (group, op) per
 measured step, and the interface's counters over the measured steps; or {"error": traceback}.
 """
@@ -62,6 +62,9 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         losses.append(loss.item())
+    # Every rank has received its last step's data once all are here, so it has left every sender's qdisc
+    # (gloo calls a send done when the socket took it; a shaped link may still hold it).
+    dist.barrier()
     counters_after = read_counters(spec["interface"])
     measured = slice(spec["warmup"], None)
     return {

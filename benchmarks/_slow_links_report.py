@@ -161,11 +161,10 @@ def print_estimate(est: dict[str, Any]) -> None:
         print(f"{scheme:<11} {row['inter_node_gb_per_step']:9.3f} GB/step  {links}{note}")
 
 
-def model_ratio_issued(row: dict[str, Any], config: str, counts: dict[str, int], nodes: int,
+def model_ratio_issued(row: dict[str, Any], scheme: str, counts: dict[str, int], nodes: int,
                        ranks_per_node: int) -> float | None:
-    """(W-1)/W x the bytes rank 0 issued on groups that cross nodes, over the model's bytes for `config`
+    """(W-1)/W x the bytes rank 0 issued on groups that cross nodes, over the model's bytes for `scheme`
     (fp32, one micro-step): how far the library's traffic is from the model's assumptions."""
-    scheme = config.removesuffix("-2x2")
     if scheme not in MODEL_SCHEMES or "comm_per_step_rank0" not in row:
         return None
     w = nodes * ranks_per_node

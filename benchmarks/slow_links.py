@@ -127,13 +127,13 @@ def run_one(net: SwitchedHosts, spec: dict[str, Any], config: Config, tmp: Path,
 
 def summarize(ranks: list[dict[str, Any]], name: str, oracle: list[float] | None, warmup: int,
               counts: dict[str, int]) -> dict[str, Any]:
+    """One run's row: the slowest rank per step, the mean loss against the oracle, traffic per host."""
     config = CONFIGS[name]
     steps = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks))]
     cpu = [max(ts) for ts in zip(*(r["cpu_times_s"] for r in ranks))]
     losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in ranks))]
     first_of_host = [ranks[h * config.ranks_per_host] for h in range(config.hosts)]
-    n = len(steps)
-    interface = [{k: v / n for k, v in r["interface"].items()} for r in first_of_host]
+    interface = [{k: v / len(steps) for k, v in r["interface"].items()} for r in first_of_host]
     row: dict[str, Any] = {
         "layout": config.layout,
         "step_time_s_median": round(statistics.median(steps), 4), "step_time_s_min": round(min(steps), 4),
@@ -147,16 +147,25 @@ def summarize(ranks: list[dict[str, Any]], name: str, oracle: list[float] | None
     if oracle is not None:
         row["oracle_losses"] = [round(x, 6) for x in oracle]
         row["oracle_max_rel_gap"] = float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses, oracle)):.3g}")
-    # gloo's algorithms say what each host puts on the wire ([Note: bytes on the wire] in _slow_links_report.py)
-    host_of = [r // config.ranks_per_host for r in range(WORLD)]
-    expected = expected_tx_bytes(ranks[0]["comm_per_step"], ranks[0]["group_sizes"], host_of)
-    measured = [i["tx_bytes"] for i in interface]
-    row["expected_tx_mb_per_step_per_host"] = [round(e / 1e6, 3) for e in expected]
-    row["tx_over_expected_per_host"] = [round(m / e, 4) if e else None for m, e in zip(measured, expected)]
-    data = sum(op["bytes"] for op in ranks[0]["comm_per_step"].get("data", {}).values())
-    row["tx_over_data_group_bytes"] = round(statistics.fmean(measured) / data, 4) if data else None
-    row["model_ratio_issued"] = model_ratio_issued(row, name, counts, config.hosts, config.ranks_per_host)
+    row.update(_wire_check(row, config, [i["tx_bytes"] for i in interface]))
+    if name.startswith("defaults"):  # which scheme the defaults are depends on the library's version
+        row["model_ratio_issued_if"] = {s: model_ratio_issued(row, s, counts, config.hosts, config.ranks_per_host)
+                                        for s in ("zero3", "node-local")}
+    else:
+        scheme = name.removesuffix("-2x2")
+        row["model_ratio_issued"] = model_ratio_issued(row, scheme, counts, config.hosts, config.ranks_per_host)
     return row
+
+
+def _wire_check(row: dict[str, Any], config: Config, sent: list[float]) -> dict[str, Any]:
+    """What each host sent against what gloo's algorithms send for the comm stats' collectives ([Note: bytes
+    on the wire] in _slow_links_report.py), and against the bytes the "data" group issued."""
+    host_of = [r // config.ranks_per_host for r in range(WORLD)]
+    expected = expected_tx_bytes(row["comm_per_step_rank0"], row["group_sizes"], host_of)
+    data = sum(op["bytes"] for op in row["comm_per_step_rank0"].get("data", {}).values())
+    return {"expected_tx_mb_per_step_per_host": [round(e / 1e6, 3) for e in expected],
+            "tx_over_expected_per_host": [round(m / e, 4) if e else None for m, e in zip(sent, expected)],
+            "tx_over_data_group_bytes": round(statistics.fmean(sent) / data, 4) if data else None}
 
 
 def _spec(model: str, quick: bool, args: argparse.Namespace, config: Config) -> dict[str, Any]:
