@@ -27,8 +27,10 @@ host share its /dev/shm (as GPUs of one node share NVLink). The mount namespace 
 /sys/class/net shows the host's interfaces); commands enter it with `nsenter --target <sleep's pid>`.
 
 Everything made here is removed when the `with` block ends, also on an error, KeyboardInterrupt or SIGTERM
-(turned into SystemExit while the block runs). Namespaces are named `swsl<pid>...`; `remove_stale()`
-deletes those of earlier runs whose process is gone (a SIGKILLed run).
+(turned into SystemExit while the block runs): the processes are stopped, and with the last process of a
+host's mount namespace its /dev/shm goes too; deleting a namespace deletes its veth end and so the pair.
+If this process is SIGKILLed, what it started dies with it (parent-death signal); the namespaces, named
+`swsl<pid>...`, stay until `remove_stale()` deletes those whose process is gone.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ slowest rank's wall time, the loss (mean over ranks) against a single-process or
 engine's `comm.stats` counted per group and op, and the bytes each host's interface sent and received.
 A configuration the library refuses (a key it does not know yet) is a row with its error, not a crash.
 
-    sudo PYTHONPATH=src /work/main/.venv/bin/python benchmarks/slow_links.py                 # everything
-    sudo ... benchmarks/slow_links.py --quick --configs zero3 --links unshaped,1gbit         # smoke run
-    python benchmarks/slow_links.py --estimate '{"link_gbit": [10, 25, 32]}'                 # the model only
+    sudo .venv/bin/python benchmarks/slow_links.py                                  # everything
+    sudo .venv/bin/python benchmarks/slow_links.py --quick --links unshaped,1gbit   # smoke run (zero3)
+    .venv/bin/python benchmarks/slow_links.py --estimate '{"link_gbit": [10, 25, 32]}'   # the model only
+
+The ranks run this checkout's src/ (their PYTHONPATH says so); the parent imports no shardwise.
 
 Writes benchmarks/results/slow_links.json (`--quick`: slow_links_quick.json) and a PNG beside it, and
 prints a table. See benchmarks/README.md ("Training over slow links").
