@@ -58,10 +58,9 @@ class Config:
 
 _PLAIN = {"node_local_frozen_weights": False}  # ZeRO++ rows compare against plain ZeRO-3, not node-local
 CONFIGS: dict[str, Config] = {
-    "defaults": Config(4, 1, {}, "the library's defaults: plain ZeRO-3 until node_local_frozen_weights exists, "
-                                 "node-local (auto) for the LoRA model after"),
+    "defaults": Config(4, 1, {}, "the library's defaults: node-local frozen weights for the LoRA model"),
     "zero3": Config(4, 1, dict(_PLAIN), "plain ZeRO-3: frozen weights partitioned over all 4 ranks"),
-    "node-local": Config(4, 1, {"node_local_frozen_weights": "auto"}, "frozen weights partitioned within a node"),
+    "node-local": Config(4, 1, {"node_local_frozen_weights": True}, "frozen weights partitioned within a node"),
     "qwz": Config(4, 1, {**_PLAIN, "zero_quantized_weights": True}, "int8 weight all-gathers"),
     "qgz": Config(4, 1, {**_PLAIN, "zero_quantized_gradients": True}, "4-bit gradient reduce-scatter"),
     "defaults-2x2": Config(2, 2, {}, "the library's defaults on hpz's layout"),
