@@ -5,7 +5,9 @@ so `from_pretrained` builds the model partitioned at ZeRO-3, a hand-written LoRA
 `weight.ds_shape`, `engine.gradient_checkpointing_enable()`, `engine.tput_timer`, and DeepSpeed-Chat's save
 sequence: rank 0 writes `module.state_dict()` first, then at ZeRO-3 every rank gathers each parameter
 (`hasattr(p, "ds_id")`, `p.ds_status == ZeroParamStatus.NOT_AVAILABLE`) and rank 0 writes the whole
-weights. The data source is synthetic token sequences. Prints `RESULT <json>` on rank 0."""
+weights. The data source is synthetic token sequences. Prints `RESULT <json>` on rank 0.
+
+ZeRO++'s keys come from --hpz/--qwz/--qgz; --ranks_per_node simulates nodes of consecutive ranks on one machine."""
 
 from __future__ import annotations
 
@@ -57,8 +59,14 @@ def to_lora(model: torch.nn.Module, part: str, dim: int) -> torch.nn.Module:
 def ds_config(args: argparse.Namespace) -> dict:
     device = "cpu" if args.offload else "none"
     zero = {"stage": args.zero_stage, "overlap_comm": True, "offload_param": {"device": device},
-            "offload_optimizer": {"device": device}, "stage3_param_persistence_threshold": 1e4,
+            "offload_optimizer": {"device": device}, "stage3_param_persistence_threshold": args.persistence_threshold,
             "stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 3e7, "memory_efficient_linear": False}
+    if args.hpz > 1:
+        zero["zero_hpz_partition_size"] = args.hpz
+    if args.qwz:
+        zero["zero_quantized_weights"] = True
+    if args.qgz:
+        zero["zero_quantized_gradients"] = True
     config = {"train_batch_size": args.batch * args.gas * torch.distributed.get_world_size(),
               "train_micro_batch_size_per_gpu": args.batch, "steps_per_print": 10, "zero_optimization": zero,
               "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
@@ -99,6 +107,15 @@ def save_like_deepspeed_chat(engine: deepspeed.DeepSpeedEngine, out: str, zero_s
             torch.save(whole, path)
 
 
+def secondary_partitions(engine: deepspeed.DeepSpeedEngine) -> int:
+    """Evidence that ZeRO++'s secondary partition (hpZ) is in use, taken after a backward: DeepSpeed's parameters
+    holding a `ds_secondary_tensor`, or, under shardwise, the gathers its secondary ("hpz") group served."""
+    stats = getattr(getattr(engine, "comm", None), "stats", None)
+    if stats is not None:
+        return sum(s.calls for (_, group), s in stats.ops.items() if group == "hpz")
+    return sum(getattr(p, "ds_secondary_tensor", None) is not None for p in engine.module.parameters())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -111,9 +128,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--persistence_threshold", type=float, default=1e4, help="0: no parameter stays whole")
+    p.add_argument("--hpz", type=int, default=1, help="ZeRO++ zero_hpz_partition_size")
+    p.add_argument("--qwz", action="store_true", help="ZeRO++ zero_quantized_weights")
+    p.add_argument("--qgz", action="store_true", help="ZeRO++ zero_quantized_gradients")
+    p.add_argument("--ranks_per_node", type=int, default=0, help="simulate nodes of this many consecutive ranks")
     p.add_argument("--local_rank", type=int, default=-1)
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args()
+    if args.ranks_per_node:  # shardwise tells nodes apart by SHARDWISE_NODE; DeepSpeed's CPU accelerator counts a
+        # node's devices from LOCAL_SIZE (its qgZ counts nodes so; its hpZ groups consecutive ranks whatever the nodes)
+        os.environ["SHARDWISE_NODE"] = f"node{int(os.environ['RANK']) // args.ranks_per_node}"
+        os.environ["LOCAL_SIZE"] = str(args.ranks_per_node)
     local_rank = max(args.local_rank, 0)
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(), local_rank)
@@ -146,6 +172,7 @@ def main() -> None:
     for step, batch in enumerate(data(rank, world, args.batch)):
         outputs = engine(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
         engine.backward(outputs.loss)
+        secondary = secondary_partitions(engine)
         engine.step()
         mean = outputs.loss.detach().float().clone()
         torch.distributed.all_reduce(mean)
@@ -156,7 +183,7 @@ def main() -> None:
     save_like_deepspeed_chat(engine, args.output_dir, args.zero_stage)
     if rank == 0:
         print("RESULT " + json.dumps({"losses": losses, "params": params, "epochs": engine.tput_timer.epoch_count,
-                                      "lr": engine.get_lr()}), flush=True)
+                                      "lr": engine.get_lr(), "secondary": secondary}), flush=True)
 
 
 if __name__ == "__main__":
