@@ -112,9 +112,8 @@ def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:
     zero = cfg.zero_optimization
     if zero.stage != 3:
         return {}
-    node = topology.data_within_node() if zero.node_local_frozen_weights else None
     hpz = topology.data_blocks(zero.zero_hpz_partition_size) if zero.zero_hpz_partition_size > 1 else None
-    return {"node_split": node, "hpz_split": hpz}
+    return {"node_split": topology.data_within_node(), "hpz_split": hpz}
 
 
 def _check_pipeline(cfg: Config, model: torch.nn.Module) -> None:

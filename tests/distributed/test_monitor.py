@@ -203,15 +203,17 @@ def test_monitors_profiler_comms_and_memory(tmp_path):
     psi, frozen = TRAINABLE, FROZEN
     for result in (rank0, rank1):
         mem = result["memory"]["mem"]
-        # Stage 0, fp32 AdamW: parameters 4(Ψ+F), gradients 4Ψ, two fp32 moments 8Ψ; no separate masters.
-        for got, expected in ((mem.parameters, 4 * (psi + frozen)), (mem.gradients, 4 * psi), (mem.optimizer_state, 8 * psi)):
+        # Stage 0, fp32 AdamW: parameters 4Ψ + frozen 4F, gradients 4Ψ, two fp32 moments 8Ψ; no separate masters.
+        for got, expected in ((mem.parameters, 4 * psi), (mem.frozen_parameters, 4 * frozen), (mem.gradients, 4 * psi),
+                              (mem.optimizer_state, 8 * psi)):
             assert got.device == 0 and expected <= got.host <= expected + PADDING, (got, expected)
         assert mem.master_weights.total == 0 and mem.buffers.total == 0
         assert mem.expected_model_states == 4 * (psi + frozen) + (4 + 8) * psi  # the ZeRO formula, stage 0
         assert mem.activations_peak > 0 and mem.host_peak_rss > 0
-        # Stage 2, bf16 over 2 ranks: bf16 parameters 2(Ψ+F) whole; fp32 gradient, master and moment partitions.
+        # Stage 2, bf16 over 2 ranks: bf16 parameters 2Ψ and 2F whole; fp32 gradient, master and moment partitions.
         zero2 = result["zero2"]
-        for got, expected in ((zero2.parameters, 2 * (psi + frozen)), (zero2.gradients, 4 * psi // WORLD),
+        for got, expected in ((zero2.parameters, 2 * psi), (zero2.frozen_parameters, 2 * frozen),
+                              (zero2.gradients, 4 * psi // WORLD),
                               (zero2.master_weights, 4 * psi // WORLD), (zero2.optimizer_state, 8 * psi // WORLD)):
             assert expected <= got.host <= expected + PADDING, (got, expected)
         assert zero2.expected_model_states == 2 * (psi + frozen) + (4 + 4 + 8) * psi // WORLD

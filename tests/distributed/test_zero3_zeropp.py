@@ -87,3 +87,16 @@ def test_whole_weights_are_the_masters_not_their_int8_copy(runs, name):
     run = runs[name]
     for key, master in run["masters"].items():
         torch.testing.assert_close(run["again"][key].float(), master, rtol=0, atol=0)
+
+
+def _one_node_qgz():
+    os.environ["SHARDWISE_NODE"] = "one"
+    losses, _, engine = engine_run(_config(QGZ), 2)
+    return losses, sorted(op for op, _ in engine.comm.stats.ops)
+
+
+def test_quantized_gradients_reduce_exactly_on_one_node():
+    """No link between nodes to save: the reduce-scatter stays exact, as DeepSpeed's does."""
+    losses, ops = run_distributed(_one_node_qgz, 2)[0]
+    assert losses == pytest.approx(oracle(2, MICRO * ACCUM * 2, clip=0.5)[0], rel=1e-5)
+    assert "reduce_scatter" in ops and "all_to_all" not in ops

@@ -151,7 +151,6 @@ class StrategyInputs:
     """Whether a parameter's gradient counts in this rank's share of the norm (None: every one). Tensor
     parallelism counts a replicated parameter on one tensor-parallel rank only."""
     node_split: DataSplit | None = None
-    """Stage 3: the data group's ranks on this rank's node, where the group spans nodes and frozen weights are
-    kept node-local (`node_local_frozen_weights`); None otherwise."""
+    """Stage 3: the data group's ranks on this rank's node where the group spans nodes; None on one node."""
     hpz_split: DataSplit | None = None
     """Stage 3: ZeRO++'s secondary partition group (`zero_hpz_partition_size` > 1), else None."""

@@ -22,9 +22,12 @@ alone cannot hang; `consolidated_state_dict` is the collective that returns whol
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
+from ...config.notes import note_once
+from ...distributed.topology import DataSplit
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, StateSlot, StrategyInputs
 from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
@@ -44,6 +47,9 @@ GRAD_QUANT = BlockQuant(bits=4, block=256)
 """qgZ: and reduces gradients as 4-bit values (an fp32 gradient travels in 0.52 bytes per element)."""
 
 
+logger = logging.getLogger(__name__)
+
+
 class Stage3(BucketedGrads):
     reduces_every_micro_step = True
 
@@ -58,7 +64,8 @@ class Stage3(BucketedGrads):
         self.unit_group: dict[int, int] = {}
         plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), zero.stage3_param_persistence_threshold)
         for module_name, group_index, named, persistent in plans:
-            node = inputs.node_split if group_index < 0 else None  # frozen: partitioned within the node
+            frozen_on_node = group_index < 0 and zero.node_local_frozen_weights
+            node = inputs.node_split if frozen_on_node else None
             unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm,
                               node.group if node else self.group, self.live, device, persistent,
                               trainable=group_index >= 0, offload=self.offload, home=self.param_home)
@@ -73,7 +80,8 @@ class Stage3(BucketedGrads):
             self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
         self.trainable = [u for u in self.units if u.master is not None]
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
-        reducer = (QuantizedReduceScatter(self.comm, self.group, averaging, GRAD_QUANT) if zero.zero_quantized_gradients
+        reducer = (QuantizedReduceScatter(self.comm, self.group, averaging, GRAD_QUANT)
+                   if _quantize_gradients(zero.zero_quantized_gradients, inputs.node_split)
                    else ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True))
         buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
                           partitioned=True) for u in reversed(self.trainable)]
@@ -210,6 +218,14 @@ class Stage3(BucketedGrads):
     def close(self) -> None:
         self.offload.close()
         self.param_home.close()
+
+
+def _quantize_gradients(asked: bool, node_split: DataSplit | None) -> bool:
+    """qgZ saves bytes on the links between nodes; on one node there is none, and DeepSpeed reduces exactly there."""
+    if asked and node_split is None:
+        note_once(logger, logging.INFO, "zero_optimization.zero_quantized_gradients: the data-parallel ranks are on one "
+                  "node, so gradients are reduced exactly, as DeepSpeed does (4-bit blocks only cross nodes).")
+    return asked and node_split is not None
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
