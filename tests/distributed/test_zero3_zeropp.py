@@ -100,3 +100,38 @@ def test_quantized_gradients_reduce_exactly_on_one_node():
     losses, ops = run_distributed(_one_node_qgz, 2)[0]
     assert losses == pytest.approx(oracle(2, MICRO * ACCUM * 2, clip=0.5)[0], rel=1e-5)
     assert "reduce_scatter" in ops and "all_to_all" not in ops
+
+
+class _ModifiesInForward(torch.nn.Module):
+    """A forward that rewrites its own weight through GatheredParameters(modifier_rank=0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(300, 300)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import shardwise
+
+        with shardwise.zero.GatheredParameters([self.proj.weight], modifier_rank=0):
+            self.proj.weight.data.mul_(1.0)
+        return self.proj(x).pow(2).mean()
+
+
+def _modify_in_forward():
+    import shardwise
+
+    os.environ["SHARDWISE_NODE"] = f"node{int(os.environ['RANK'])}"
+    model = _ModifiesInForward()
+    config = _config(QWZ)
+    config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = 1, 1
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    with pytest.raises(RuntimeError) as refused:
+        engine(torch.ones(1, 300))
+    return str(refused.value)
+
+
+def test_modifying_int8_gathered_weights_is_refused():
+    """Writing back weights gathered as int8 would replace the masters with their approximation."""
+    message = run_distributed(_modify_in_forward, 2)[0]
+    assert "were gathered for a running forward as zero_quantized_weights' int8 approximation" in message
+    assert "Modify parameters outside the model's forward." in message
