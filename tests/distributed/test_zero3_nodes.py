@@ -22,8 +22,6 @@ def _config(**zero):
 
 
 def _on_nodes(ranks_per_node: int, config: dict):
-    import torch.distributed as dist  # noqa: F401 - the harness initialises the process group in initialize
-
     os.environ["SHARDWISE_NODE"] = f"node{int(os.environ['RANK']) // ranks_per_node}"
     losses, params, engine = engine_run(config, STEPS)
     stats = engine.comm.stats

@@ -36,8 +36,7 @@ def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
         _old_offload_flags(zero)
-        _offload_param_below_stage3(zero)
-        _zeropp_below_stage3(zero)
+        _stage3_keys_below_stage3(zero)
 
 
 def drop_untyped(raw: dict[str, Any]) -> None:
@@ -91,29 +90,30 @@ def _old_offload_flags(zero: dict[str, Any]) -> None:
                 zero[section].setdefault("pin_memory", pin)
 
 
-def _offload_param_below_stage3(zero: dict[str, Any]) -> None:
-    offload, stage = zero.get("offload_param"), zero.get("stage", 0)
-    if ds.is_switched_off(offload) or not isinstance(stage, int) or isinstance(stage, bool) or stage >= 3:
-        return
-    zero.pop("offload_param")
-    note_once(logger, logging.WARNING,
-              f"zero_optimization.offload_param: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); "
-              "parameters stay on the device. Use offload_optimizer at stages 1-2, or stage 3.")
-
-
+_ZEROPP = "ZeRO++ changes stage 3's weight gathers and gradient reduction. Set stage 3 to use it."
+STAGE3_ONLY = {
+    "offload_param": "parameters stay on the device. Use offload_optimizer at stages 1-2, or stage 3.",
+    "zero_hpz_partition_size": _ZEROPP, "zero_quantized_weights": _ZEROPP, "zero_quantized_gradients": _ZEROPP,
+}
+"""Keys DeepSpeed reads at stage 3 only, and what a note says when a config below it asks for them."""
 ZEROPP_OFF = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_gradients": False}
 
 
-def _zeropp_below_stage3(zero: dict[str, Any]) -> None:
+def _asks(key: str, value: Any) -> bool:
+    if key == "offload_param":
+        return not ds.is_switched_off(value)
+    return value not in (ZEROPP_OFF[key], "auto")  # "auto" is refused by validation, at every stage
+
+
+def _stage3_keys_below_stage3(zero: dict[str, Any]) -> None:
     stage = zero.get("stage", 0)
     if not isinstance(stage, int) or isinstance(stage, bool) or stage >= 3:
         return
-    for key, off in ZEROPP_OFF.items():
-        if key in zero and zero[key] not in (off, "auto"):  # "auto" is refused by validation, at every stage
+    for key, why in STAGE3_ONLY.items():
+        if key in zero and _asks(key, zero[key]):
             zero.pop(key)
             note_once(logger, logging.WARNING,
-                      f"zero_optimization.{key}: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); "
-                      "ZeRO++ changes stage 3's weight gathers and gradient reduction. Set stage 3 to use it.")
+                      f"zero_optimization.{key}: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); {why}")
 
 
 def strip_deepspeed_only(raw: dict[str, Any], model: type[BaseModel], problems: list[str]) -> None:

@@ -37,11 +37,10 @@ class Group:
 @dataclass(frozen=True)
 class DataSplit:
     """The data-parallel group cut into parts (its ranks on one node; ZeRO++'s secondary partitions): this
-    rank's part, and which of the data group's `parts` it is."""
+    rank's part, and which of the data group's parts it is."""
 
     group: Group
     index: int
-    parts: int
 
 
 def _unique(items) -> list:
@@ -211,7 +210,7 @@ class Topology:
         for group in parts:
             for index, part in enumerate(group):
                 if self.world.rank in part:
-                    return DataSplit(Group(name, pg, len(part), part.index(self.world.rank)), index, len(group))
+                    return DataSplit(Group(name, pg, len(part), part.index(self.world.rank)), index)
         raise AssertionError("every rank is in one part")
 
     def pipe_peer(self, stage: int) -> int:

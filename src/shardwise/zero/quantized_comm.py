@@ -26,7 +26,7 @@ import torch
 from ..distributed import Collectives, Group
 from ..distributed.collectives import Pending
 from .quantize import BlockQuant
-from .reducers import BucketLike, GradAveraging, Reduction, partitioned_norm
+from .reducers import BucketLike, GradAveraging, Reduction, _on_wire, partitioned_norm
 
 __all__ = ["QuantizedGather", "QuantizedReduceScatter", "quantized_all_gather"]
 
@@ -87,8 +87,7 @@ class QuantizedReduceScatter:
             raise ValueError(f"QuantizedReduceScatter: a bucket whose flat gradient splits into {size} equal chunks "
                              f"({self.group.name} group) is required; got {None if flat is None else flat.numel()}.")
         chunk = flat.numel() // size
-        if self.averaging.before != 1.0:
-            flat.mul_(self.averaging.before)  # the bucket is scratch until the reduction is finished
+        _on_wire(flat, self.averaging.before, flat.dtype)  # in place: the bucket is scratch until the reduction is finished
         chunk_bytes = self.quant.packed_bytes(chunk)
         # One allocation for both sides: `then` holds `received`, which keeps `sent` alive until the exchange is over.
         sent, received = torch.empty(2, size, chunk_bytes, dtype=torch.uint8, device=flat.device)

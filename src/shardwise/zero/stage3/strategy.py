@@ -130,8 +130,7 @@ class Stage3(BucketedGrads):
             self.offload.step(self.optimizer, self.masters, [grads[id(u)] for u in self.trainable],
                               lambda i: self.trainable[i].write_back())
         for unit in self.trainable:  # every gathered copy is stale now
-            unit.release(force=True)
-            unit.drop_secondary()
+            unit.discard_gathered()
         self._gather_persistent()
 
     def sync_params(self) -> None:
@@ -170,8 +169,7 @@ class Stage3(BucketedGrads):
                     if name in state:
                         target[at : at + end - start] = state[name].reshape(-1)[start:end]
                 unit.write_back()
-                unit.release(force=True)
-                unit.drop_secondary()
+                unit.discard_gathered()
         buffers = {k: v for k, v in state.items() if k not in names}
         self.module.load_state_dict(buffers, strict=False)
         self._gather_persistent()
@@ -198,8 +196,7 @@ class Stage3(BucketedGrads):
             for unit in self.trainable:
                 unit.write_back()
         for unit in self.units:
-            unit.release(force=True)
-            unit.drop_secondary()
+            unit.discard_gathered()
         self._gather_persistent()
 
     @property

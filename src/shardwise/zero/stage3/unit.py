@@ -91,7 +91,8 @@ class ParamUnit:
     users: int = 0
     _pending: Pending | None = None
     _source: torch.Tensor | None = None
-    _secondary: torch.Tensor | None = None
+    secondary: torch.Tensor | None = None
+    """hpZ's kept block of the whole weights, while valid (None after a step or a load)."""
     full: torch.Tensor = field(init=False)
     _views: list[torch.Tensor] = field(init=False)
     _placeholders: list[torch.Tensor] = field(init=False)
@@ -139,8 +140,8 @@ class ParamUnit:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         approximate = approximate and not self.persistent
-        if approximate and self._secondary is not None:
-            self._pending = self.comm.all_gather(self.full, self._secondary, self.secondary_group)
+        if approximate and self.secondary is not None:
+            self._pending = self.comm.all_gather(self.full, self.secondary, self.secondary_group)
         else:
             self._source = self.home.fetch(self.index, self.shard, self.full.device)  # alive until the gather is done
             if approximate and self.quant is not None:
@@ -158,21 +159,21 @@ class ParamUnit:
         if self.state is UnitState.GATHERING:
             self._pending.wait()
             self._pending = self._source = None
-            if self.secondary_group is not None and self._secondary is None and not self.persistent:
+            if self.secondary_group is not None and self.secondary is None and not self.persistent:
                 lo, hi = self.layout.shard_range(self.secondary_group.rank, self.secondary_group.size)
-                self._secondary = self.full[lo:hi].clone()
+                self.secondary = self.full[lo:hi].clone()
             for p, view in zip(self.params, self._views):
                 p.data = view
             self.state = UnitState.FULL
 
     def drop_secondary(self) -> None:
         """The stored values changed (a step, a load): the next gather comes from the primary slices."""
-        self._secondary = None
+        self.secondary = None
 
-    @property
-    def secondary(self) -> torch.Tensor | None:
-        """hpZ's kept block of the whole weights, while valid (for the memory account)."""
-        return self._secondary
+    def discard_gathered(self) -> None:
+        """The stored values changed: free every gathered copy, persistent ones and hpZ's block included."""
+        self.release(force=True)
+        self.drop_secondary()
 
     def write_back(self) -> None:
         """After the optimizer step: the updated master slice becomes the stored 16-bit slice."""
