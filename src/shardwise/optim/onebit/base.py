@@ -94,10 +94,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return step
 
     def _compressed_mean(self, flat: torch.Tensor) -> None:
+        """`flat` (laid out like the moments) becomes the ranks' compressed mean, zero where the variance is.
+
+        [Note: compressing in Adam's units] What travels is `flat / sqrt(v)`, and the mean is multiplied back. The
+        division is the same on every rank, so in exact arithmetic it changes nothing, but one block scale then fits
+        every element of the block: a gradient or momentum of the raw model mixes parameters whose magnitudes differ
+        by orders (an embedding next to a norm's bias), and a shared scale would hand the small ones steps of the big
+        ones' size, divided by their small variance. DeepSpeed compresses raw values with one scale per tensor. An
+        element whose variance is 0 sends and receives 0 ([Note: entries that never had a gradient]).
+        """
         if self.allreduce is None:
             raise RuntimeError(f"{type(self).__name__}: it runs inside a shardwise engine (ZeRO stage 0), which "
                                "connects it to the data-parallel group; pass it to shardwise.initialize by config.")
+        variance = self.flat["exp_avg_sq"]
+        unseen = variance == 0
+        scale = variance.sqrt().masked_fill_(unseen, 1.0)
+        flat.div_(scale).masked_fill_(unseen, 0.0)
         self.allreduce(flat)
+        flat.mul_(scale).masked_fill_(unseen, 0.0)
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         missing = [i for i, p in enumerate(params) if p.grad is None]
@@ -129,9 +143,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return ["the compression errors (zeroed: they belong to the ranks that saved them)"]
 
 
-def frozen_denominators(exp_avg_sqs: list[torch.Tensor], bias_correction2: float, eps: float) -> list[torch.Tensor]:
-    """Adam's sqrt(v / bias_correction2) + eps, per parameter, as new tensors."""
+def frozen_denominators(exp_avg_sqs: list[torch.Tensor], bias_correction2: float, eps: float,
+                        hold_unseen: bool = True) -> list[torch.Tensor]:
+    """Adam's sqrt(v / bias_correction2) + eps, per parameter, as new tensors; with `hold_unseen`, infinite where v is 0.
+
+    [Note: entries that never had a gradient] 1 bit cannot say zero, so a compressed mean puts about its block's
+    magnitude into every element, including those whose gradient has always been exactly zero (embedding rows of
+    tokens not seen yet). Their variance is 0, so Adam would divide that by eps and throw the weight away; DeepSpeed
+    asks for a hand-made `exp_avg_mask`. Here an element whose variance is exactly 0 takes no Adam step (an infinite
+    denominator) and the compressed means are masked the same way, so it stays where it is until an exact step gives
+    it a variance. Exact Adam is unchanged: there, v = 0 means m = 0, and 0 / eps = 0 / inf = 0.
+    """
     denoms = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denoms, bias_correction2**0.5)
     torch._foreach_add_(denoms, eps)
+    if hold_unseen:
+        for denom, variance in zip(denoms, exp_avg_sqs):
+            denom.masked_fill_(variance == 0, float("inf"))
     return denoms

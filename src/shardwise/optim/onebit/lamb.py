@@ -18,7 +18,7 @@ import torch
 from ..lamb import apply_trust_ratio, lamb_moments, lamb_updates
 from ._checks import check_adam_arguments
 from .._scheduler_base import invalid_param
-from .base import CompressedOptimizer
+from .base import CompressedOptimizer, frozen_denominators
 
 __all__ = ["OneBitLamb"]
 
@@ -118,11 +118,13 @@ class OneBitLamb(CompressedOptimizer):
         torch._foreach_div_(gradients, 1 - beta1)
         torch._foreach_mul_(fresh, beta2)
         torch._foreach_addcmul_(fresh, gradients, gradients, value=1 - beta2)
-        denoms = torch._foreach_add(torch._foreach_sqrt([self.state[p]["exp_avg_sq"] for p in params]), eps)
+        variances = [self.state[p]["exp_avg_sq"] for p in params]
+        denoms = frozen_denominators(variances, 1.0, eps)  # LAMB corrects the step size, not the denominator
         prelim = torch._foreach_div(moments, denoms)
         updates = torch._foreach_add(prelim, params, alpha=group["weight_decay"]) if group["weight_decay"] else prelim
         fresh_denoms = torch._foreach_add(torch._foreach_sqrt(fresh), eps)
-        factor = torch.stack([r.max() for r in torch._foreach_div(denoms, fresh_denoms)])
+        ratios = torch._foreach_div(denoms, fresh_denoms)
+        factor = torch.stack([r.masked_fill(v == 0, 0.0).max() for r, v in zip(ratios, variances)])
         if group["weight_decay"]:
             norms = torch.stack(torch._foreach_norm(prelim)) / torch.stack(torch._foreach_norm(updates))
             ratio = norms.clamp(max=1.0)

@@ -91,6 +91,9 @@ class ZeroOneAdam(CompressedOptimizer):
         """This rank's update since the last sync (local phase)."""
         self.accumulated_lr = torch.zeros(())
         """The sum of the step sizes (lr / bias correction) since the last sync."""
+        self.synced = torch.zeros_like(self.flat["exp_avg"])
+        """The weights at the last sync, the same on every rank: a sync starts from them, not from weights minus
+        the accumulated update, which rounding would leave a little different on each rank."""
 
     def reduces_gradients(self) -> bool:
         step = self.steps + 1
@@ -146,8 +149,8 @@ class ZeroOneAdam(CompressedOptimizer):
         return updates, lr / bias1
 
     def _local_step(self, step: int, schedule: _Schedule) -> None:
-        if step == schedule.var_freeze_step + 1 and self.allreduce is not None:
-            self.allreduce.reset_errors()  # from here on they measure accumulated updates, not gradients
+        if step == schedule.var_freeze_step + 1:
+            self._start_local_phase()
         grads = self._grads(self._params)
         accumulated = self.views(self.accumulated)
         offset, step_size = 0, 0.0
@@ -164,26 +167,33 @@ class ZeroOneAdam(CompressedOptimizer):
         if schedule.syncs(step):
             self._sync(schedule.var_updates)
 
+    def _start_local_phase(self) -> None:
+        if self.allreduce is not None:
+            self.allreduce.reset_errors()  # from here on they measure accumulated updates, not gradients
+        torch._foreach_copy_(self.views(self.synced), self._params)
+
     def _sync(self, variance_steps: int) -> None:
-        """Back to the last synced weights, plus the ranks' mean accumulated update; the momentum it implies."""
+        """The last synced weights minus the ranks' mean accumulated update; the momentum that update implies."""
         accumulated = self.views(self.accumulated)
         denoms = []
         for group in self.param_groups:
             correct, beta2 = group["bias_correction"], group["betas"][1]
             bias2 = 1 - beta2**variance_steps if correct else 1.0
-            denoms += frozen_denominators([self.state[p]["exp_avg_sq"] for p in group["params"]], bias2, group["eps"])
-        torch._foreach_add_(self._params, accumulated)
-        torch._foreach_mul_(accumulated, denoms)
+            denoms += frozen_denominators([self.state[p]["exp_avg_sq"] for p in group["params"]], bias2, group["eps"],
+                                          hold_unseen=False)
+        torch._foreach_mul_(accumulated, denoms)  # into momentum units: sum of step size x momentum
         self._compressed_mean(self.accumulated)
         torch.div(self.accumulated, self.accumulated_lr, out=self.flat["exp_avg"])
-        torch._foreach_sub_(self._params, torch._foreach_div(accumulated, denoms))
+        torch._foreach_div_(accumulated, denoms)
+        self.synced.sub_(self.accumulated)
+        torch._foreach_copy_(self._params, self.views(self.synced))
         self.accumulated.zero_()
         self.accumulated_lr.zero_()
 
     def rank_local_state(self) -> dict[str, torch.Tensor]:
         state = super().rank_local_state()
         if self.steps > self.schedule.var_freeze_step:  # the ranks' weights and momenta differ until the next sync
-            state.update(accumulated=self.accumulated, accumulated_lr=self.accumulated_lr,
+            state.update(accumulated=self.accumulated, accumulated_lr=self.accumulated_lr, synced=self.synced,
                          exp_avg=self.flat["exp_avg"], params=torch.cat([p.detach().reshape(-1) for p in self._params]))
         return state
 
@@ -192,12 +202,14 @@ class ZeroOneAdam(CompressedOptimizer):
         if own is not None and "accumulated" in own and own["accumulated"].numel() == self.numel:
             self.accumulated.copy_(own["accumulated"])
             self.accumulated_lr.copy_(own["accumulated_lr"])
+            self.synced.copy_(own["synced"])
             self.flat["exp_avg"].copy_(own["exp_avg"])
             torch._foreach_copy_(self._params, self.views(own["params"]))
             return lost
         had_local = "accumulated" in first and bool(first["accumulated_lr"] != 0)
         self.accumulated.zero_()
         self.accumulated_lr.zero_()
+        torch._foreach_copy_(self.views(self.synced), self._params)  # rank 0's weights are the synced ones now
         if had_local:
             lost.append("each rank's local 0/1 Adam steps since the last sync (rank 0's weights and momentum are "
                         "taken as the synced state)")
