@@ -106,7 +106,8 @@ TABLE: dict[str, Treatment] = {
     "amp": refused(REMOVED),
     # --- optimizer and scheduler ----------------------------------------------------------------
     "optimizer": impl("built over the strategy's parameter groups; a section without `type` builds none, as in DeepSpeed"),
-    "optimizer.type": impl("Adam, AdamW, SGD, Lamb, Lion, Adagrad, or any torch.optim class name"),
+    "optimizer.type": impl("Adam, AdamW, SGD, Lamb, Lion, Adagrad, OneBitAdam, ZeroOneAdam, OneBitLamb (stage 0; "
+                           "DeepSpeed 0.19.8 has dropped these three), or any torch.optim class name"),
     "optimizer.params": impl("checked against the optimizer's arguments at initialize"),
     "optimizer.legacy_fusion": noop("picked an apex fused-fp16 optimizer variant; the math is the same"),
     "scheduler.*": impl("WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or any torch.optim.lr_scheduler class"),
