@@ -9,7 +9,7 @@ the frozen variance and its bias correction at the freeze.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -34,16 +34,7 @@ class OneBitAdam(CompressedOptimizer):
         super().__init__(params, defaults, cuda_aware, comm_backend_name)
         self.freeze_step = freeze_step
 
-    def reduces_gradients(self) -> bool:
-        return self.steps + 1 <= self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = self._advance()
+    def _take_step(self, step: int) -> None:
         warm = step <= self.freeze_step
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -58,7 +49,6 @@ class OneBitAdam(CompressedOptimizer):
             self._compressed_mean(self.flat["exp_avg"])
         for group in self.param_groups:
             self._update(group, step, min(step, self.freeze_step))
-        return loss
 
     def _update(self, group: dict[str, Any], step: int, variance_steps: int) -> None:
         params, (beta1, beta2), lr = group["params"], group["betas"], group["lr"]

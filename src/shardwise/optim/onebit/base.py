@@ -14,7 +14,7 @@ whole model's momentum is compressed in one exchange, not one per parameter.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -120,8 +120,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
                                f"as one buffer); parameters {missing[:5]} of a group have none.")
         return [p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype) for p in params]
 
+    freeze_step: int
+    """1-bit Adam and LAMB: the last step on exactly averaged gradients."""
+
     def reduces_gradients(self) -> bool:
         """Whether the next step needs exactly averaged gradients ([Note: who reduces what])."""
+        return self.steps + 1 <= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._take_step(self._advance())
+        return loss
+
+    def _take_step(self, step: int) -> None:
+        """Step number `step` (1-based), every parameter having its gradient."""
         raise NotImplementedError
 
     # What this rank alone holds, for checkpoints: tensors by name. `load_rank_local_state` receives this rank's

@@ -11,13 +11,13 @@ one (bounded by `factor_min`/`factor_max`, and by `factor_threshold` per step) s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from .._scheduler_base import invalid_param
 from ..lamb import apply_trust_ratio, lamb_moments, lamb_updates
 from ._checks import check_adam_arguments
-from .._scheduler_base import invalid_param
 from .base import CompressedOptimizer, frozen_denominators
 
 __all__ = ["OneBitLamb"]
@@ -54,21 +54,11 @@ class OneBitLamb(CompressedOptimizer):
         and the momentum's scale (0 until the first compressed step sets it). The same on every rank."""
         self.lamb_coeffs: list[torch.Tensor] = []
 
-    def reduces_gradients(self) -> bool:
-        return self.steps + 1 <= self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = self._advance()
+    def _take_step(self, step: int) -> None:
         if step <= self.freeze_step:
             self._warm_step(step)
         else:
             self._compressed_step(step)
-        return loss
 
     def _warm_step(self, step: int) -> None:
         ratios: list[torch.Tensor] = []

@@ -16,7 +16,7 @@ Two phases, each a function of the step count (`_Schedule`), so a resumed run is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -99,19 +99,12 @@ class ZeroOneAdam(CompressedOptimizer):
         step = self.steps + 1
         return self.schedule.at(step).updates_variance(step)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        step = self._advance()
+    def _take_step(self, step: int) -> None:
         schedule = self.schedule.at(step)
         if step > schedule.var_freeze_step:
             self._local_step(step, schedule)
         else:
             self._variance_phase_step(step, schedule)
-        return loss
 
     def _variance_phase_step(self, step: int, schedule: _Schedule) -> None:
         exact = schedule.updates_variance(step)
