@@ -29,8 +29,8 @@ CASES = [
     ({**BASE, "train_batch_sise": 8}, "train_batch_sise: unknown key. Did you mean 'train_batch_size'?"),
     ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled: at most one may be true"),
     ({**BASE, "optimizer": {"type": "AdamWW"}},
-     "optimizer.type: must be one of adam, adamw, sgd, lamb, lion, adagrad (any case) or a torch.optim class name; "
-     "got 'AdamWW'. Did you mean 'adamw'?"),
+     "optimizer.type: must be one of adam, adamw, sgd, lamb, lion, adagrad, onebitadam, zerooneadam, onebitlamb (any "
+     "case) or a torch.optim class name; got 'AdamWW'. Did you mean 'adamw'?"),
     ({**BASE, "optimizer": {"type": "Muon"}}, "optimizer.type: a DeepSpeed setting that shardwise does not implement yet (Muon)"),
     ({**BASE, "scheduler": {"type": "warmuplr"}},
      "scheduler.type: must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or a "
