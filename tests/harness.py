@@ -57,6 +57,11 @@ def _check_alive(procs: list, outcomes: dict, results: mp.Queue) -> None:
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results in rank order."""
+    # torch.optim.Optimizer's constructor imports torch._dynamo on first use: 2-5 s of CPU per process, paid by
+    # every rank of every test that builds an optimizer unless the parent has it before forking (a 37 s test
+    # file of three runs took 6 s with it).
+    import torch._dynamo  # noqa: F401
+
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()
     port = free_port()

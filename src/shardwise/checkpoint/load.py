@@ -116,17 +116,19 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], re
     for slot in slots:
         if not slot.trainable or not reader.has(slot.name):
             continue
-        state = optimizer.state[slot.opt_param]
+        state, elementwise = optimizer.state[slot.opt_param], set()
         for kind in sorted(reader.kinds(slot.name)):
             if not kind.startswith("state."):
                 continue
             key = kind.removeprefix("state.")
+            elementwise.add(key)
             if key not in state:
                 state[key] = torch.zeros_like(slot.opt_param, memory_format=torch.contiguous_format)
             flat = state[key].view(-1)[slot.opt_offset : slot.opt_offset + slot.end - slot.start]
             reader.read_into(slot.name, kind, slot.start, slot.end, flat, shards.get(slot.name))
         for key, value in saved["scalars"].items():
-            state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
+            if key not in elementwise:  # older manifests list a one-element first parameter's moments as scalars
+                state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
 
 
 def _load_rank_local(engine: TrainingEngine, reader: CheckpointReader) -> None:

@@ -225,11 +225,19 @@ def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
 def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
               for g in optimizer.param_groups]
-    scalars: dict[str, float] = {}
-    for state in optimizer.state.values():
-        scalars = {k: float(v) for k, v in state.items() if not isinstance(v, torch.Tensor) or v.numel() == 1}
-        break
-    return {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+    return {"type": type(optimizer).__name__, "param_groups": groups, "scalars": _scalars(optimizer)}
+
+
+def _scalars(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The numbers every parameter's state shares (Adam's step), read from the largest parameter's state: a
+    one-element parameter's moments are one element too and would pass for scalars, which the loader gives to
+    every parameter. (A 0-d parameter's step has its shape: it is saved with its moments, element-wise.)"""
+    states = [(p, s) for p, s in optimizer.state.items() if isinstance(p, torch.Tensor)]
+    if not states:
+        return {}
+    param, state = max(states, key=lambda item: (item[0].numel(), item[0].dim()))
+    return {k: float(v) for k, v in state.items()
+            if not isinstance(v, torch.Tensor) or (v.numel() == 1 and v.shape != param.shape)}
 
 
 def _publish(job: SaveJob, gathered: list[Any]) -> None:

@@ -53,6 +53,10 @@ class SignCodec:
         rows, signs = packed.shape[0], n // 8
         shifts = _SHIFTS.to(packed.device)
         bits = (packed[:, :signs].unsqueeze(2) >> shifts) & 1
-        scales = packed[:, signs:].contiguous().view(torch.float32).view(rows, n // self.block, 1)
+        # A fresh copy: the scales of a single row (or of a row sliced out of a larger buffer) start at a byte
+        # offset that need not be a multiple of 4, and reading bytes as fp32 needs one; contiguous() would
+        # return such a view as it is.
+        scales = packed[:, signs:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        scales = scales.view(rows, n // self.block, 1)
         sign = bits.view(rows, n // self.block, self.block).to(torch.float32).mul_(2).sub_(1)
         return sign.mul_(scales).view(rows, n)
