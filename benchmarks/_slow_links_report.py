@@ -9,7 +9,8 @@ broadcasts every rank sends (W-1)/W·N, a ring's amount. Gloo's reduce is a pipe
 of the chunk (M = N/W) in segments of at most 1 MiB, then a gather of the reduced pieces to the root: a
 rank sends (numSegments-2) segments in the ring and M/W to each root but itself, which is (W-1)(W+1)/W²·N
 = 15/16·N at W=4 while segments are smaller than 1 MiB (a ring reduce-scatter: 3/4·N), and approaches
-(1 + 1/W - 1/W²)·N for large chunks. An all-reduce is gloo's ring: 2(W-1)/W·N. Ethernet, IP and TCP
+(1 + 1/W - 1/W²)·N for large chunks. An all-reduce is gloo's ring: 2(W-1)/W·N; an all-to-all (counted
+with its input's N bytes) sends (W-1)/W·N, chunk by chunk to each other rank. Ethernet, IP and TCP
 headers add little (veth carries 64 KiB GSO packets: ~0.1%), as do ACKs, the barrier and the store.
 """
 
@@ -70,6 +71,8 @@ def _sends(op: str, nbytes: int, world: int) -> list[tuple[int, int, float]]:
         return out
     if op == "all_reduce":  # ring: every rank sends 2(W-1)/W of it to its neighbour
         return [(r, (r + 1) % world, 2 * (world - 1) / world * nbytes) for r in range(world)]
+    if op == "all_to_all":  # gloo's pairwise exchange: chunk d of every rank goes to rank d
+        return [(s, d, nbytes / world) for s in range(world) for d in range(world) if s != d]
     if op == "all_gather":  # one broadcast per rank, of the rank's chunk
         return [(s, d, nbytes / world) for root in range(world) for s, d in _tree_sends(world, root)]
     # a broadcast (its root is not recorded: the average over roots) or an op gloo does not have
