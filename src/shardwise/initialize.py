@@ -16,9 +16,11 @@ from . import accelerator
 from .config import Config, ConfigError, parse_config
 from .config.parse import load_raw
 from .config.notes import note_once
+from .config.training import COMPRESSED_OPTIMIZER_NAMES
 from .distributed import Collectives, Group, Topology, init_distributed
 from .distributed.groups import record as record_groups
 from .monitor.console import ensure_console_handler
+from .optim.onebit.base import CompressedOptimizer
 from .optim.param_groups import check_model_parameters
 from .optim.registry import build_optimizer, build_scheduler, check_optimizer, check_scheduler
 from .precision import PrecisionPolicy
@@ -92,6 +94,7 @@ def initialize(
         dp_group=topology.data, comm=comm, zero=cfg.zero_optimization,
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
         aio=cfg.aio, counts_in_norm=split.counts_in_norm if split is not None else None,
+        compressed_optimizer=_compresses(optimizer, cfg, pipe),
         **_data_splits(cfg, topology),
     ))
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
@@ -146,6 +149,19 @@ def _param_groups(optimizer: OptimizerArg, model_parameters: Iterable[Any] | Non
     if params and isinstance(params[0], dict):
         return [{**g, "params": list(g["params"])} for g in params]
     return [{"params": params}]
+
+
+def _compresses(optimizer: OptimizerArg, cfg: Config, pipe: int) -> bool:
+    """Whether the optimizer exchanges compressed momentum itself (then the strategy lets it: `compressed_dp.py`)."""
+    if isinstance(optimizer, CompressedOptimizer):
+        raise TypeError(f"optimizer: a {type(optimizer).__name__} instance cannot be passed to initialize(); name it "
+                        'in the config ("optimizer": {"type": "' + type(optimizer).__name__ + '", "params": {...}}), '
+                        "so the engine builds it over the parameters it trains and connects it to the data group.")
+    compresses = optimizer is None and cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_OPTIMIZER_NAMES
+    if compresses and pipe > 1:
+        raise ConfigError([f"optimizer.type: {cfg.optimizer.type} with pipeline parallelism is not supported yet; got "
+                           f"{pipe} stages. Use Adam with the pipeline, or {cfg.optimizer.type} without it."])
+    return compresses
 
 
 def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:

@@ -27,6 +27,8 @@ from typing import Iterator
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
+RANK_LOCAL = "local|"
+"""Prefix of the tensors a rank keeps for itself (`ShardingStrategy.rank_local_state`) in its own file."""
 MASTER, VALUE = "master", "value"
 
 

@@ -41,6 +41,7 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
                 buf.copy_(reader.buffer(name))
         if load_optimizer_states:
             _load_optimizer(engine.optimizer, slots, reader, shards)
+            _load_rank_local(engine, reader)
         engine.strategy.after_state_load()
     if load_optimizer_states:
         engine.precision.loss_scaler.load_state_dict(meta["loss_scaler"])
@@ -126,6 +127,21 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], re
             reader.read_into(slot.name, kind, slot.start, slot.end, flat, shards.get(slot.name))
         for key, value in saved["scalars"].items():
             state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
+
+
+def _load_rank_local(engine: TrainingEngine, reader: CheckpointReader) -> None:
+    """Each rank's own state where the layout is the saving run's; otherwise the strategy falls back (on rank 0's
+    or on nothing) and says what it could not restore."""
+    meta = reader.meta
+    same = meta["world_size"] == dist.get_world_size() and meta["topology"] == dict(engine.topology.sizes)
+    own = reader.rank_local(dist.get_rank()) if same else None
+    lost = engine.strategy.load_rank_local_state(own, reader.rank_local(0))
+    if lost and dist.get_rank() == 0:
+        saved = f"world size {meta['world_size']}, topology {meta['topology']}"
+        now = f"world size {dist.get_world_size()}, topology {dict(engine.topology.sizes)}"
+        layout_note = "the same layout" if same else f"a different layout ({saved}; now {now})"
+        logger.warning("load_checkpoint: %s was saved under %s and not restored: %s. Training goes on from the rest "
+                       "of the state.", reader.path, layout_note, "; ".join(lost))
 
 
 def _restore_rng(reader: CheckpointReader, meta: dict[str, Any]) -> None:

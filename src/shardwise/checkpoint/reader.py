@@ -139,6 +139,14 @@ class CheckpointReader:
     def buffer_shape(self, name: str) -> tuple[int, ...]:
         return self._buffer_file(name).shape(layout.buffer_key(name))
 
+    def rank_local(self, rank: int) -> dict[str, torch.Tensor]:
+        """What `rank` saved for itself (`ShardingStrategy.rank_local_state`), by name; {} if nothing."""
+        name = layout.rank_file(rank)
+        if name not in self.meta["files"]:
+            return {}
+        f = self.file(name)
+        return {k.removeprefix(layout.RANK_LOCAL): f.get_tensor(k) for k in f.keys() if k.startswith(layout.RANK_LOCAL)}
+
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], str] | None:
         name = layout.rank_file(rank)
         if name not in self.meta["files"]:

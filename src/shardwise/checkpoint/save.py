@@ -81,6 +81,8 @@ def pack_job(engine: TrainingEngine, root: Path, tag: str, client_state: dict[st
     meta["params_extra"] = {"optimizer": _optimizer_meta(engine.optimizer)}
     rng_tensors, rng_json = files.rng_state()  # captured now, not when a background write runs
     tensors.update(rng_tensors)
+    local = engine.strategy.rank_local_state()
+    tensors.update({layout.RANK_LOCAL + k: v.detach().to("cpu", copy=True) for k, v in local.items()})
     return SaveJob(root, tag, meta, tensors, records, buffers, rng_json, save_latest)
 
 

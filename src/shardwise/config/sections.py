@@ -16,7 +16,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from .base import Section
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
-from .training import OptimizerConfig, SchedulerConfig
+from .training import COMPRESSED_OPTIMIZER_NAMES, OptimizerConfig, SchedulerConfig
 from .raw_view import RawConfigView
 
 __all__ = ["ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "Config", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
@@ -284,6 +284,16 @@ class Config(Section, RawConfigView):
                 raise ValueError(
                     f"data_types.{key}: must be the training dtype ({training}, from fp16/bf16.enabled); got "
                     f"{given!r}. Set the matching fp16/bf16 'enabled' flag or remove data_types.{key}.")
+        return self
+
+    @model_validator(mode="after")
+    def _compressed_optimizer_at_stage0(self) -> Config:
+        optimizer = self.optimizer.type if self.optimizer is not None else None
+        if optimizer in COMPRESSED_OPTIMIZER_NAMES and self.zero_optimization.stage != 0:
+            raise ValueError(
+                f"zero_optimization.stage: {optimizer} needs stage 0; got stage {self.zero_optimization.stage}. It "
+                "averages a whole replicated momentum in 1 bit, which ZeRO's partitions would have to gather first "
+                "(DeepSpeed refuses the pair too). Set stage 0, or use Adam/Lamb with ZeRO.")
         return self
 
     @model_validator(mode="after")

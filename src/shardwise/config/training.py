@@ -11,7 +11,8 @@ from pydantic import Field, field_validator
 
 from .base import Section
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "lamb", "lion", "adagrad")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "lamb", "lion", "adagrad", "onebitadam", "zerooneadam", "onebitlamb")
+COMPRESSED_OPTIMIZER_NAMES = ("onebitadam", "zerooneadam", "onebitlamb")
 SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _NOT_IMPLEMENTED_OPTIMIZERS = ("muon", "muadam", "muadamw", "musgd")  # DeepSpeed's Muon and mup optimizers
 

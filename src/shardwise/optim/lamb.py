@@ -130,26 +130,9 @@ class Lamb(torch.optim.Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
 
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-
-        if self.eps_inside_sqrt:
-            denoms = torch._foreach_sqrt(torch._foreach_add(exp_avg_sqs, group["eps"]))
-        else:
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denoms, group["eps"])
-        updates = torch._foreach_div(exp_avgs, denoms)
-        if group["weight_decay"] != 0:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
-
-        weight_norms = torch._foreach_norm(params)
-        update_norms = torch._foreach_norm(updates)
-        for p, update, w_norm, u_norm, t in zip(params, updates, weight_norms, update_norms, steps):
-            coeff = _trust_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
-            self.lamb_coeffs.append(coeff)
-            p.sub_(update.mul_(coeff * _step_size(group, beta1, beta2, t)))
+        lamb_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
+        updates = lamb_updates(group, params, exp_avgs, exp_avg_sqs, self.eps_inside_sqrt)
+        self.lamb_coeffs.extend(apply_trust_ratio(group, params, updates, steps))
 
     @staticmethod
     def _gradient_divisor(
@@ -170,6 +153,42 @@ class Lamb(torch.optim.Optimizer):
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratio each parameter got in the last step, in param-group order."""
         return [coeff.item() for coeff in self.lamb_coeffs]
+
+
+def lamb_moments(exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor],
+                 beta1: float, beta2: float) -> None:
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+
+def lamb_updates(group: dict[str, Any], params: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], eps_inside_sqrt: bool) -> list[torch.Tensor]:
+    """u = m / (sqrt(v) + eps) + weight_decay * p, per parameter, as new tensors."""
+    if eps_inside_sqrt:
+        denoms = torch._foreach_sqrt(torch._foreach_add(exp_avg_sqs, group["eps"]))
+    else:
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denoms, group["eps"])
+    updates = torch._foreach_div(exp_avgs, denoms)
+    if group["weight_decay"] != 0:
+        torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+    return updates
+
+
+def apply_trust_ratio(group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor],
+                      steps: list[int]) -> list[torch.Tensor]:
+    """p -= step_size * coeff * u with LAMB's trust ratio coeff (consumes `updates`); returns the coefficients."""
+    beta1, beta2 = group["betas"]
+    weight_norms = torch._foreach_norm(params)
+    update_norms = torch._foreach_norm(updates)
+    coeffs = []
+    for p, update, w_norm, u_norm, t in zip(params, updates, weight_norms, update_norms, steps):
+        coeff = _trust_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
+        coeffs.append(coeff)
+        p.sub_(update.mul_(coeff * _step_size(group, beta1, beta2, t)))
+    return coeffs
 
 
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_coeff: float, min_coeff: float) -> torch.Tensor:

@@ -20,6 +20,8 @@ from .arguments import argument_problems
 # DeepSpeed keys that select an implementation, not the math; accepted and not needed here.
 _ADAM_IMPLEMENTATION_KEYS = {"torch_adam", "fused", "foreach", "adam_w_mode", "bias_correction"}
 _LION_IMPLEMENTATION_KEYS = {"set_grad_none", "fp32_optimizer_states"}  # FusedLion, DeepSpeedCPULion
+COMPRESSED_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+"""DeepSpeed's communication-compressed optimizers (`optim/onebit/`), which need ZeRO stage 0."""
 
 
 def optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
@@ -41,6 +43,10 @@ def optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Optim
         from .lion import Lion
 
         return Lion
+    if lowered in COMPRESSED_OPTIMIZERS:
+        from . import onebit
+
+        return getattr(onebit, COMPRESSED_OPTIMIZERS[lowered])
     return getattr(torch.optim, name)
 
 

@@ -6,8 +6,8 @@ factories live with what they build (`zero/factory.py` builds a `ShardingStrateg
 """
 
 from .engine import BackgroundSaver, TrainingEngine
-from .strategy import MakeOptimizer, ModelStateTensors, ParamGroups, ShardingStrategy, StateSlot, StrategyInputs
+from .strategy import MakeOptimizer, ModelStateTensors, NoRankLocalState, ParamGroups, ShardingStrategy, StateSlot, StrategyInputs
 from .tensor_shard import TensorShard
 
-__all__ = ["BackgroundSaver", "MakeOptimizer", "ModelStateTensors", "ParamGroups", "ShardingStrategy", "StateSlot",
+__all__ = ["BackgroundSaver", "MakeOptimizer", "ModelStateTensors", "NoRankLocalState", "ParamGroups", "ShardingStrategy", "StateSlot",
            "StrategyInputs", "TensorShard", "TrainingEngine"]

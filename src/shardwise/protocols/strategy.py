@@ -134,6 +134,24 @@ class ShardingStrategy(Protocol):
     def close(self) -> None:
         """Release what lives outside memory (swap files); the strategy is not used afterwards."""
 
+    def rank_local_state(self) -> dict[str, torch.Tensor]:
+        """State that is this rank's alone and outside `state_slots()` (the compression errors of the 1-bit
+        optimizers), by name: each rank's checkpoint file keeps its own."""
+
+    def load_rank_local_state(self, own: dict[str, torch.Tensor] | None, first: dict[str, torch.Tensor]) -> list[str]:
+        """Restore `rank_local_state()`: `own` is what this rank saved when the layout (world size and topology)
+        is unchanged, else None; `first` is rank 0's. Returns what could not be restored, for the warning."""
+
+
+class NoRankLocalState:
+    """The `rank_local_state` half of `ShardingStrategy` for strategies whose optimizer state is all in slots."""
+
+    def rank_local_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_rank_local_state(self, own: dict[str, torch.Tensor] | None, first: dict[str, torch.Tensor]) -> list[str]:
+        return []
+
 
 @dataclass(frozen=True)
 class StrategyInputs:
@@ -154,3 +172,5 @@ class StrategyInputs:
     """Stage 3: the data group's ranks on this rank's node where the group spans nodes; None on one node."""
     hpz_split: DataSplit | None = None
     """Stage 3: ZeRO++'s secondary partition group (`zero_hpz_partition_size` > 1), else None."""
+    compressed_optimizer: bool = False
+    """The config's optimizer exchanges compressed momentum itself (OneBitAdam, ZeroOneAdam, OneBitLamb)."""

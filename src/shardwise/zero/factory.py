@@ -7,6 +7,10 @@ from ..protocols import ShardingStrategy, StrategyInputs
 
 def make_strategy(inputs: StrategyInputs) -> ShardingStrategy:
     stage = inputs.zero.stage
+    if stage == 0 and inputs.compressed_optimizer:
+        from .compressed_dp import CompressedDataParallel
+
+        return CompressedDataParallel(inputs)
     if stage == 0:
         from .stage0 import DataParallel
 

@@ -13,7 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..protocols import ModelStateTensors, ParamGroups, StateSlot, StrategyInputs
+from ..protocols import ModelStateTensors, NoRankLocalState, ParamGroups, StateSlot, StrategyInputs
 from .grad_buckets import BucketedGrads, GradBuckets
 from .reducers import AllReduceMean, GradAveraging
 
@@ -42,7 +42,7 @@ def _map_groups(groups: ParamGroups, masters: dict[int, torch.Tensor]) -> ParamG
     return mapped
 
 
-class DataParallel(BucketedGrads):
+class DataParallel(NoRankLocalState, BucketedGrads):
     reduces_every_micro_step = False
     swaps_to_disk = False
 

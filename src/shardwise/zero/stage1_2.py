@@ -25,14 +25,14 @@ from typing import Any
 import torch
 
 from ..offload import make_optimizer_offload
-from ..protocols import ModelStateTensors, StateSlot, StrategyInputs
+from ..protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
 from .flat_param import BucketLayout
 from .grad_buckets import Bucket, BucketedGrads, GradBuckets, plan_grad_buckets
 from .reducers import GradAveraging, ReduceScatterMean
 from .stage0 import trainable_parameters, whole_state_dict
 
 
-class ShardedDataParallel(BucketedGrads):
+class ShardedDataParallel(NoRankLocalState, BucketedGrads):
     def __init__(self, inputs: StrategyInputs, stage: int):
         self.module, self.precision, self.group, self.comm = inputs.module, inputs.precision, inputs.dp_group, inputs.comm
         self.stage = stage

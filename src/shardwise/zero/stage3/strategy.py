@@ -29,7 +29,7 @@ import torch
 from ...config.notes import note_once
 from ...distributed.topology import DataSplit
 from ...offload import make_optimizer_offload, make_param_home
-from ...protocols import ModelStateTensors, StateSlot, StrategyInputs
+from ...protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
 from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
 from ..quantize import BlockQuant
 from ..quantized_comm import QuantizedReduceScatter
@@ -50,7 +50,7 @@ GRAD_QUANT = BlockQuant(bits=4, block=256)
 logger = logging.getLogger(__name__)
 
 
-class Stage3(BucketedGrads):
+class Stage3(NoRankLocalState, BucketedGrads):
     reduces_every_micro_step = True
 
     def __init__(self, inputs: StrategyInputs):
