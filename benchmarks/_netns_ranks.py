@@ -15,10 +15,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import REPO_ROOT
-from _netns import INTERFACE, SwitchedHosts
+from _harness import REPO_ROOT, log
+from _netns import INTERFACE, SwitchedHosts, remove_stale, why_unavailable
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_slow_links_rank.py"
+
+
+def require_hosts(script: str) -> None:
+    """Exit saying why namespace hosts cannot be made here; else delete the namespaces a killed run left."""
+    reason = why_unavailable()
+    if reason:
+        raise SystemExit(f"{script} needs namespace hosts: {reason}")
+    stale = remove_stale()
+    if stale:
+        log(f"removed namespaces of an earlier run: {', '.join(stale)}")
+
+
+def print_shaping(links: dict[str, dict[str, Any]]) -> None:
+    """How each link was shaped (`Shaping`s as dicts, by link name), under the printed tables."""
+    for link, shaping in links.items():
+        note = f" ({shaping['note']})" if shaping["note"] else ""
+        print(f"{link}: qdisc {shaping['qdisc']}, rate {shaping['rate']}, delay {shaping['delay_ms']} ms{note}")
 
 
 def rank_env(net: SwitchedHosts, world: int, ranks_per_host: int, rank: int, port: int) -> dict[str, str]:

@@ -17,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _harness import verdict
+from _harness import print_columns, pyplot, verdict
+from _netns_ranks import print_shaping
 from _slow_links_report import expected_tx_bytes
 
 MB = 1e6
@@ -117,22 +118,15 @@ def print_table(report: dict[str, Any]) -> None:
     for world, by_opt in report["results"].items():
         for name, by_link in by_opt.items():
             lines.append([world, name, *[_cell(by_link.get(link)) for link in links]])
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
-    for line in lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-    for link, shaping in report["setup"]["links"].items():
-        print(f"{link}: qdisc {shaping['qdisc']}, rate {shaping['rate']}" + (f" ({shaping['note']})" if shaping["note"] else ""))
+    print_columns(lines)
+    print_shaping(report["setup"]["links"])
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | str:
     """Per world: median step time and MB sent per host per step (log scale), bars per link, per optimizer."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "no PNG (matplotlib is not installed)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     worlds, all_links = list(report["results"]), list(report["setup"]["links"])
     fig, axes = plt.subplots(len(worlds), 2, figsize=(12, 3.8 * len(worlds)), squeeze=False)
     for (ax_time, ax_bytes), world in zip(axes, worlds):

@@ -22,6 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from _harness import print_columns, pyplot
+from _netns_ranks import print_shaping
+
 INTRA_NODE_GROUPS = ("node", "hpz")
 """Groups whose ranks share a node (they never cross the inter-node network)."""
 
@@ -197,23 +200,15 @@ def print_table(report: dict[str, Any]) -> None:
             gaps = [r.get("oracle_max_rel_gap") for r in by_link.values() if "oracle_max_rel_gap" in r]
             lines.append([model, name, report["setup"]["configs"][name]["layout"],
                           *[_cell(by_link.get(link)) for link in links], f"{max(gaps):.1e}" if gaps else "-"])
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-    for link, shaping in report["setup"]["links"].items():
-        print(f"{link}: qdisc {shaping['qdisc']}, rate {shaping['rate']}, delay {shaping['delay_ms']} ms"
-              + (f" ({shaping['note']})" if shaping["note"] else ""))
+    print_columns(lines)
+    print_shaping(report["setup"]["links"])
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | str:
     """Step time and inter-host MB per step, per configuration (bars per link), one row per model."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "no PNG (matplotlib is not installed)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models, links = list(report["results"]), list(report["setup"]["links"])
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.8 * len(models)), squeeze=False)
     width = 0.8 / max(1, len(links))

@@ -35,15 +35,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import REPO_ROOT, RESULTS, LoadSampler, environment, log, write_report
-from _netns import INTERFACE, remove_stale, switched_hosts, why_unavailable
-from _netns_ranks import run_ranks
+from _netns import INTERFACE, switched_hosts
+from _netns_ranks import require_hosts, run_ranks
 from _onebit_curves import DEMO, run_curves
 from _onebit_report import add_ratios, plot, print_table, summarize
 from _slow_links_models import MODELS, QUICK_MODELS, parameter_counts
 
 OPTIMIZERS = ("Adam", "OneBitAdam", "ZeroOneAdam", "ZeroOneAdam-sync4", "Lamb", "OneBitLamb")
 BASELINE_OF = {"OneBitAdam": "Adam", "ZeroOneAdam": "Adam", "ZeroOneAdam-sync4": "Adam", "OneBitLamb": "Lamb"}
-LINKS: dict[str, str | None] = {"unshaped": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name -> tc rate
+# name -> (tc rate, one-way delay in ms): the delay needs netem, which this machine's kernel lacks (_netns.py)
+LINKS: dict[str, tuple[str | None, float]] = {"unshaped": (None, 0.0), "1gbit": ("1gbit", 0.2),
+                                               "100mbit": ("100mbit", 1.0)}
 PRECISION = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
 # The links' runs: Adam's usual settings without weight decay (then "Adam" is plain Adam in every library)
 BENCH_ADAM = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
@@ -88,7 +90,7 @@ def run_links(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="onebit_") as root:
         for link in args.links:
             runs = _runs_on(link, args)
-            with switched_hosts(max(w for w, _ in runs), LINKS[link]) as net:
+            with switched_hosts(max(w for w, _ in runs), *LINKS[link]) as net:
                 for world, name in runs:
                     spec, port = _spec(args, configs[name]), port + 1
                     tmp = Path(root) / f"{link}-{world}-{name}"
@@ -191,12 +193,7 @@ def _curves(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     if args.links:
-        reason = why_unavailable()
-        if reason:
-            raise SystemExit(f"onebit.py needs namespace hosts for --links (or pass --no-links): {reason}")
-        stale = remove_stale()
-        if stale:
-            log(f"removed namespaces of an earlier run: {', '.join(stale)}")
+        require_hosts("onebit.py --links (--no-links: only the demo's curves)")
     load, started, tree = LoadSampler(), time.perf_counter(), _tree_state()
     measured = run_links(args) if args.links else {"results": {}, "links": {}}
     curves = _curves(args)

@@ -35,8 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, LoadSampler, environment, log, write_report
-from _netns import INTERFACE, remove_stale, switched_hosts, why_unavailable
-from _netns_ranks import run_ranks
+from _netns import INTERFACE, switched_hosts
+from _netns_ranks import require_hosts, run_ranks
 from _slow_links_models import MODELS, QUICK_MODELS, oracle_losses, parameter_counts
 from _slow_links_report import estimate, expected_tx_bytes, model_ratio_issued, plot, print_estimate, print_table
 
@@ -196,12 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print_estimate(estimate(**json.loads(args.estimate)))
         return None
     _check_names(args)
-    reason = why_unavailable()
-    if reason:
-        raise SystemExit(f"slow_links.py needs namespace hosts: {reason}")
-    stale = remove_stale()
-    if stale:
-        log(f"removed namespaces of an earlier run: {', '.join(stale)}")
+    require_hosts("slow_links.py")
     load, started = LoadSampler(), time.perf_counter()
     measured = run_all(args)
     specs = {m: _spec(m, args.quick, args, CONFIGS["zero3"])["model"] for m in args.models.split(",")}
