@@ -230,6 +230,25 @@ def log(*parts: Any) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def print_columns(lines: list[list[Any]]) -> None:
+    """Rows of cells, each column as wide as its widest cell (the first row is the header)."""
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
+    for line in lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on its file-only backend (no display needed), or None when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def token_batches(vocab: int, micro: int, seq_len: int, count: int, rank: int) -> list[tuple[Any, Any]]:
     import torch
 

@@ -80,15 +80,17 @@ def loss_of(model: Any, tokens: Any, llama: bool) -> Any:
 
 
 def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """slow_links' config (ZeRO-3, AdamW), whose top-level keys `spec["config"]` replaces where it has them."""
     # Release each module's weights after use, as a model too large to stay gathered must (the 14B case):
     # at the default reuse distance these small models stay gathered from forward to backward.
     zero: dict[str, Any] = {"stage": 3, "stage3_max_reuse_distance": 0}
     if "llama" in spec["model"]:
         zero["offload_param"] = {"device": "cpu"}
     zero.update(spec["zero"])
-    return {"train_micro_batch_size_per_gpu": spec["model"]["micro"], "gradient_accumulation_steps": 1,
-            "gradient_clipping": CLIP, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": zero}
+    config = {"train_micro_batch_size_per_gpu": spec["model"]["micro"], "gradient_accumulation_steps": 1,
+              "gradient_clipping": CLIP, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": zero}
+    return {**config, **spec.get("config", {})}  # onebit.py's runs: their own optimizer, stage and precision
 
 
 def parameter_counts(spec: dict[str, Any]) -> dict[str, int]:

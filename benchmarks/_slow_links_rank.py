@@ -6,7 +6,8 @@ Builds the model of SPEC, trains `warmup` steps, then, after a barrier, resets t
 reads this host's interface counters (sysfs of its network namespace) and trains `steps` measured steps,
 timing each (forward + backward + step); after another barrier it reads the counters again. Writes OUT.json:
 the per-step times, losses (warm-up included, for the oracle), comm bytes and calls per (group, op) per
-measured step, and the interface's counters over the measured steps; or {"error": traceback}.
+measured step, the interface's counters over the measured steps, and per step (warm-up included) the time,
+the bytes the comm stats counted and the interface's counters moved; or {"error": traceback}.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def _comm_per_step(stats: Any, steps: int) -> dict[str, dict[str, dict[str, Any]
     return out
 
 
+def _issued_bytes(stats: Any) -> int:
+    return sum(s.bytes for s in stats.ops.values())
+
+
+def _record_step(per_step: dict[str, list[int]], issued: int, before: dict[str, int], after: dict[str, int]) -> None:
+    """One step's bytes: issued by this rank (comm stats), and its interface's counters (without a barrier: a
+    shaped link may still hold the step's last bytes, which then count in the next step)."""
+    per_step["comm_bytes"].append(issued)
+    for key in ("tx_bytes", "rx_bytes"):
+        per_step[key].append(after[key] - before[key])
+
+
 def train(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -48,6 +61,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)  # whatever the library chose at init: one thread per rank
     llama = "llama" in spec["model"]
     losses, times, cpu_times = [], [], []
+    per_step: dict[str, list[int]] = {"comm_bytes": [], "tx_bytes": [], "rx_bytes": []}
     counters_before: dict[str, int] = {}
     for step in range(spec["warmup"] + spec["steps"]):
         if step == spec["warmup"]:
@@ -55,6 +69,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             engine.comm.stats.reset()
             counters_before = read_counters(spec["interface"])
         tokens = batch(spec, step, rank)
+        issued, counters = _issued_bytes(engine.comm.stats), read_counters(spec["interface"])
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = loss_of(engine, tokens, llama)
         engine.backward(loss)
@@ -62,6 +77,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         losses.append(loss.item())
+        _record_step(per_step, _issued_bytes(engine.comm.stats) - issued, counters, read_counters(spec["interface"]))
     # Every rank has received its last step's data once all are here, so it has left every sender's qdisc
     # (gloo calls a send done when the socket took it; a shaped link may still hold it).
     dist.barrier()
@@ -72,6 +88,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         "comm_per_step": _comm_per_step(engine.comm.stats, spec["steps"]),
         "group_sizes": dict(engine.comm.stats.group_sizes),
         "interface": {k: counters_after[k] - counters_before[k] for k in counters_before},
+        "per_step": {**per_step, "time_s": times},
     }
 
 

@@ -9,7 +9,8 @@ broadcasts every rank sends (W-1)/W·N, a ring's amount. Gloo's reduce is a pipe
 of the chunk (M = N/W) in segments of at most 1 MiB, then a gather of the reduced pieces to the root: a
 rank sends (numSegments-2) segments in the ring and M/W to each root but itself, which is (W-1)(W+1)/W²·N
 = 15/16·N at W=4 while segments are smaller than 1 MiB (a ring reduce-scatter: 3/4·N), and approaches
-(1 + 1/W - 1/W²)·N for large chunks. An all-reduce is gloo's ring: 2(W-1)/W·N. Ethernet, IP and TCP
+(1 + 1/W - 1/W²)·N for large chunks. An all-reduce is gloo's ring: 2(W-1)/W·N; an all-to-all (counted
+with its input's N bytes) sends (W-1)/W·N, chunk by chunk to each other rank. Ethernet, IP and TCP
 headers add little (veth carries 64 KiB GSO packets: ~0.1%), as do ACKs, the barrier and the store.
 """
 
@@ -20,6 +21,9 @@ import math
 import re
 from pathlib import Path
 from typing import Any
+
+from _harness import print_columns, pyplot
+from _netns_ranks import print_shaping
 
 INTRA_NODE_GROUPS = ("node", "hpz")
 """Groups whose ranks share a node (they never cross the inter-node network)."""
@@ -70,6 +74,8 @@ def _sends(op: str, nbytes: int, world: int) -> list[tuple[int, int, float]]:
         return out
     if op == "all_reduce":  # ring: every rank sends 2(W-1)/W of it to its neighbour
         return [(r, (r + 1) % world, 2 * (world - 1) / world * nbytes) for r in range(world)]
+    if op == "all_to_all":  # gloo's pairwise exchange: chunk d of every rank goes to rank d
+        return [(s, d, nbytes / world) for s in range(world) for d in range(world) if s != d]
     if op == "all_gather":  # one broadcast per rank, of the rank's chunk
         return [(s, d, nbytes / world) for root in range(world) for s, d in _tree_sends(world, root)]
     # a broadcast (its root is not recorded: the average over roots) or an op gloo does not have
@@ -194,23 +200,15 @@ def print_table(report: dict[str, Any]) -> None:
             gaps = [r.get("oracle_max_rel_gap") for r in by_link.values() if "oracle_max_rel_gap" in r]
             lines.append([model, name, report["setup"]["configs"][name]["layout"],
                           *[_cell(by_link.get(link)) for link in links], f"{max(gaps):.1e}" if gaps else "-"])
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)))
-    for link, shaping in report["setup"]["links"].items():
-        print(f"{link}: qdisc {shaping['qdisc']}, rate {shaping['rate']}, delay {shaping['delay_ms']} ms"
-              + (f" ({shaping['note']})" if shaping["note"] else ""))
+    print_columns(lines)
+    print_shaping(report["setup"]["links"])
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | str:
     """Step time and inter-host MB per step, per configuration (bars per link), one row per model."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "no PNG (matplotlib is not installed)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models, links = list(report["results"]), list(report["setup"]["links"])
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.8 * len(models)), squeeze=False)
     width = 0.8 / max(1, len(links))

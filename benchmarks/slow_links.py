@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -35,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import REPO_ROOT, RESULTS, LoadSampler, environment, log, write_report
-from _netns import INTERFACE, SwitchedHosts, remove_stale, switched_hosts, why_unavailable
+from _harness import RESULTS, LoadSampler, environment, log, write_report
+from _netns import INTERFACE, switched_hosts
+from _netns_ranks import require_hosts, run_ranks
 from _slow_links_models import MODELS, QUICK_MODELS, oracle_losses, parameter_counts
 from _slow_links_report import estimate, expected_tx_bytes, model_ratio_issued, plot, print_estimate, print_table
 
 WORLD = 4
-RANK_SCRIPT = Path(__file__).resolve().parent / "_slow_links_rank.py"
 
 
 @dataclass(frozen=True)
@@ -73,57 +72,6 @@ DEFAULT_CONFIGS = [c for c in CONFIGS if not c.startswith("defaults")]
 # name -> (tc rate, one-way delay in ms); the delay needs netem (see _netns.py)
 LINKS: dict[str, tuple[str | None, float]] = {"unshaped": (None, 0.0), "10gbit": ("10gbit", 0.05),
                                                "1gbit": ("1gbit", 0.2)}
-
-
-def _rank_env(net: SwitchedHosts, config: Config, rank: int, port: int) -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TERM", "TMPDIR")}
-    return {**keep, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank % config.ranks_per_host),
-            "LOCAL_WORLD_SIZE": str(config.ranks_per_host), "MASTER_ADDR": net.hosts[0].address,
-            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": INTERFACE,
-            "SHARDWISE_NODE": f"h{rank // config.ranks_per_host}", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)]), "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-
-
-def _wait(procs: list[Any], timeout: float, grace_s: float = 20.0) -> str | None:
-    """None when every rank exited 0 in time; else why (the others get `grace_s` to exit on their own)."""
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + grace_s):
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if time.monotonic() > deadline and failed_at is None:
-        return f"timed out after {timeout:.0f} s"
-    codes = [p.returncode for p in procs]
-    return None if all(c == 0 for c in codes) else f"exit codes {codes}"
-
-
-def run_one(net: SwitchedHosts, spec: dict[str, Any], config: Config, tmp: Path, port: int,
-            timeout: float) -> list[dict[str, Any]] | dict[str, Any]:
-    """The per-rank results of one run, or {"error": ...} (the ranks' own message when they wrote one)."""
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    procs = []
-    for rank in range(WORLD):
-        env = _rank_env(net, config, rank, port)
-        procs.append(net.start(rank // config.ranks_per_host,
-                               [sys.executable, str(RANK_SCRIPT), str(spec_path), str(tmp / f"rank{rank}.json")],
-                               env, cwd=REPO_ROOT, log=tmp / f"rank{rank}.log"))
-    why = _wait(procs, timeout)
-    results = [json.loads(p.read_text()) if p.exists() else None for p in (tmp / f"rank{r}.json" for r in range(WORLD))]
-    errors = sorted({r["error"] for r in results if r and "error" in r})
-    if errors or why:
-        tails = {r: (tmp / f"rank{r}.log").read_text()[-1500:] for r in range(WORLD) if results[r] is None}
-        return {"error": errors[0] if errors else why, "all_errors": errors, "why": why, "log_tails": tails}
-    return results
 
 
 def summarize(ranks: list[dict[str, Any]], name: str, oracle: list[float] | None, warmup: int,
@@ -207,7 +155,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                     tmp = Path(root) / f"{link}-{model}-{name}"
                     tmp.mkdir()
                     started = time.perf_counter()
-                    ranks = run_one(net, spec, config, tmp, port, args.timeout)
+                    ranks = run_ranks(net, spec, WORLD, config.ranks_per_host, tmp, port, args.timeout)
                     row = ranks if isinstance(ranks, dict) else summarize(ranks, name, oracles[model], args.warmup,
                                                                           counts[model])
                     row.update(zero=spec["zero"], wall_s=round(time.perf_counter() - started, 1))
@@ -248,12 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print_estimate(estimate(**json.loads(args.estimate)))
         return None
     _check_names(args)
-    reason = why_unavailable()
-    if reason:
-        raise SystemExit(f"slow_links.py needs namespace hosts: {reason}")
-    stale = remove_stale()
-    if stale:
-        log(f"removed namespaces of an earlier run: {', '.join(stale)}")
+    require_hosts("slow_links.py")
     load, started = LoadSampler(), time.perf_counter()
     measured = run_all(args)
     specs = {m: _spec(m, args.quick, args, CONFIGS["zero3"])["model"] for m in args.models.split(",")}
