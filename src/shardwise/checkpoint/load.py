@@ -137,7 +137,7 @@ def _load_rank_local(engine: TrainingEngine, reader: CheckpointReader) -> None:
     meta = reader.meta
     same = meta["world_size"] == dist.get_world_size() and meta["topology"] == dict(engine.topology.sizes)
     own = reader.rank_local(dist.get_rank()) if same else None
-    lost = engine.strategy.load_rank_local_state(own, reader.rank_local(0))
+    lost = engine.strategy.load_rank_local_state(own, own if own is not None else reader.rank_local(0))
     if lost and dist.get_rank() == 0:
         saved = f"world size {meta['world_size']}, topology {meta['topology']}"
         now = f"world size {dist.get_world_size()}, topology {dict(engine.topology.sizes)}"

@@ -11,8 +11,9 @@ from pydantic import Field, field_validator
 
 from .base import Section
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "lamb", "lion", "adagrad", "onebitadam", "zerooneadam", "onebitlamb")
 COMPRESSED_OPTIMIZER_NAMES = ("onebitadam", "zerooneadam", "onebitlamb")
+"""DeepSpeed's communication-compressed optimizers (`optim/onebit/`, the lower case of its class names)."""
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "lamb", "lion", "adagrad", *COMPRESSED_OPTIMIZER_NAMES)
 SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _NOT_IMPLEMENTED_OPTIMIZERS = ("muon", "muadam", "muadamw", "musgd")  # DeepSpeed's Muon and mup optimizers
 

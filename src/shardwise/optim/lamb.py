@@ -180,14 +180,13 @@ def lamb_updates(group: dict[str, Any], params: list[torch.Tensor], exp_avgs: li
 def apply_trust_ratio(group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor],
                       steps: list[int]) -> list[torch.Tensor]:
     """p -= step_size * coeff * u with LAMB's trust ratio coeff (consumes `updates`); returns the coefficients."""
-    beta1, beta2 = group["betas"]
     weight_norms = torch._foreach_norm(params)
     update_norms = torch._foreach_norm(updates)
     coeffs = []
     for p, update, w_norm, u_norm, t in zip(params, updates, weight_norms, update_norms, steps):
         coeff = _trust_ratio(w_norm, u_norm, group["max_coeff"], group["min_coeff"])
         coeffs.append(coeff)
-        p.sub_(update.mul_(coeff * _step_size(group, beta1, beta2, t)))
+        p.sub_(update.mul_(coeff * lamb_step_size(group, t)))
     return coeffs
 
 
@@ -197,11 +196,13 @@ def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, max_coeff: float, m
     return torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
 
 
-def _step_size(group: dict[str, Any], beta1: float, beta2: float, step: int) -> float:
+def lamb_step_size(group: dict[str, Any], step: int, variance_steps: int | None = None) -> float:
+    """lr * sqrt(1 - beta2^variance_steps) / (1 - beta1^step); `variance_steps` is `step` unless the variance froze."""
     lr = float(group["lr"])
     if not group["bias_correction"]:
         return lr
-    return lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    beta1, beta2 = group["betas"]
+    return lr * math.sqrt(1 - beta2 ** (step if variance_steps is None else variance_steps)) / (1 - beta1**step)
 
 
 def _check_hyperparameters(

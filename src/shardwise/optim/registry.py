@@ -15,13 +15,12 @@ from typing import Any, Iterable
 import torch
 
 from ..config import ConfigError, OptimizerConfig, SchedulerConfig
+from ..config.training import COMPRESSED_OPTIMIZER_NAMES
 from .arguments import argument_problems
 
 # DeepSpeed keys that select an implementation, not the math; accepted and not needed here.
 _ADAM_IMPLEMENTATION_KEYS = {"torch_adam", "fused", "foreach", "adam_w_mode", "bias_correction"}
 _LION_IMPLEMENTATION_KEYS = {"set_grad_none", "fp32_optimizer_states"}  # FusedLion, DeepSpeedCPULion
-COMPRESSED_OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
-"""DeepSpeed's communication-compressed optimizers (`optim/onebit/`), which need ZeRO stage 0."""
 
 
 def optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
@@ -43,10 +42,10 @@ def optimizer_class(name: str, params: dict[str, Any]) -> type[torch.optim.Optim
         from .lion import Lion
 
         return Lion
-    if lowered in COMPRESSED_OPTIMIZERS:
+    if lowered in COMPRESSED_OPTIMIZER_NAMES:
         from . import onebit
 
-        return getattr(onebit, COMPRESSED_OPTIMIZERS[lowered])
+        return next(getattr(onebit, n) for n in onebit.__all__ if n.lower() == lowered)
     return getattr(torch.optim, name)
 
 

@@ -140,7 +140,8 @@ class ShardingStrategy(Protocol):
 
     def load_rank_local_state(self, own: dict[str, torch.Tensor] | None, first: dict[str, torch.Tensor]) -> list[str]:
         """Restore `rank_local_state()`: `own` is what this rank saved when the layout (world size and topology)
-        is unchanged, else None; `first` is rank 0's. Returns what could not be restored, for the warning."""
+        is unchanged, else None; `first` is `own` when given, else rank 0's. Returns what could not be restored,
+        for the warning."""
 
 
 class NoRankLocalState:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from ._checks import check_adam_arguments
-from .base import CompressedOptimizer, frozen_denominators
+from .base import CompressedOptimizer
 
 __all__ = ["OneBitAdam"]
 
@@ -37,25 +37,13 @@ class OneBitAdam(CompressedOptimizer):
     def _take_step(self, step: int) -> None:
         warm = step <= self.freeze_step
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            moments = [self.state[p]["exp_avg"] for p in group["params"]]
-            grads = self._grads(group["params"])
-            torch._foreach_lerp_(moments, grads, 1 - beta1)
-            if warm:
-                variances = [self.state[p]["exp_avg_sq"] for p in group["params"]]
-                torch._foreach_mul_(variances, beta2)
-                torch._foreach_addcmul_(variances, grads, grads, value=1 - beta2)
+            self._adam_moments(group, self._grads(group["params"]), variance=warm)
         if not warm:
             self._compressed_mean(self.flat["exp_avg"])
         for group in self.param_groups:
-            self._update(group, step, min(step, self.freeze_step))
-
-    def _update(self, group: dict[str, Any], step: int, variance_steps: int) -> None:
-        params, (beta1, beta2), lr = group["params"], group["betas"], group["lr"]
-        correct = group["bias_correction"]
-        bias1 = 1 - beta1**step if correct else 1.0
-        bias2 = 1 - beta2**variance_steps if correct else 1.0
-        if group["weight_decay"] != 0:
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        denoms = frozen_denominators([self.state[p]["exp_avg_sq"] for p in params], bias2, group["eps"])
-        torch._foreach_addcdiv_(params, [self.state[p]["exp_avg"] for p in params], denoms, value=-lr / bias1)
+            params = group["params"]
+            if group["weight_decay"] != 0:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            denoms = self._adam_denominators(group, min(step, self.freeze_step))
+            torch._foreach_addcdiv_(params, [self.state[p]["exp_avg"] for p in params], denoms,
+                                    value=-self._adam_step_size(group, step))

@@ -13,15 +13,12 @@ whole model's momentum is compressed in one exchange, not one per parameter.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ...distributed import Collectives, Group
 from .compressed_allreduce import CompressedAllReduce
-
-logger = logging.getLogger(__name__)
 
 _BACKENDS = ("nccl", "mpi", "gloo", "hccl", "compressed")
 
@@ -48,16 +45,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _point_state_at_flat(self) -> None:
         """Make each parameter's state entries views of the flat buffers (keeping values already there)."""
-        offset = 0
-        for p in self._params:
-            state = self.state[p]
-            for key, flat in self.flat.items():
-                view = flat[offset : offset + p.numel()].view_as(p)
+        for key, flat in self.flat.items():
+            for p, view in zip(self._params, self.views(flat)):
+                state = self.state[p]
                 if key in state and state[key].data_ptr() != view.data_ptr():
                     view.copy_(state[key])
                 state[key] = view
-            state.setdefault("step", 0)
-            offset += p.numel()
+        for p in self._params:
+            self.state[p].setdefault("step", 0)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a flat buffer laid out like the moments (parameter-group order)."""
@@ -119,6 +114,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}: every parameter needs a gradient (the momentum is exchanged "
                                f"as one buffer); parameters {missing[:5]} of a group have none.")
         return [p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype) for p in params]
+
+    def _adam_moments(self, group: dict[str, Any], grads: list[torch.Tensor], variance: bool) -> None:
+        """Adam's momentum (torch's lerp, as its AdamW) and, with `variance`, its variance, for `group`."""
+        beta1, beta2 = group["betas"]
+        torch._foreach_lerp_([self.state[p]["exp_avg"] for p in group["params"]], grads, 1 - beta1)
+        if variance:
+            variances = [self.state[p]["exp_avg_sq"] for p in group["params"]]
+            torch._foreach_mul_(variances, beta2)
+            torch._foreach_addcmul_(variances, grads, grads, value=1 - beta2)
+
+    def _adam_denominators(self, group: dict[str, Any], variance_steps: int, hold_unseen: bool = True) -> list[torch.Tensor]:
+        """`frozen_denominators` of `group` after `variance_steps` variance updates."""
+        bias2 = 1 - group["betas"][1] ** variance_steps if group["bias_correction"] else 1.0
+        return frozen_denominators([self.state[p]["exp_avg_sq"] for p in group["params"]], bias2, group["eps"],
+                                   hold_unseen)
+
+    @staticmethod
+    def _adam_step_size(group: dict[str, Any], step: int) -> float:
+        """lr over the momentum's bias correction."""
+        return group["lr"] / (1 - group["betas"][0] ** step if group["bias_correction"] else 1.0)
 
     freeze_step: int
     """1-bit Adam and LAMB: the last step on exactly averaged gradients."""

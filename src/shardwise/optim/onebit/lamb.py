@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 
 from .._scheduler_base import invalid_param
-from ..lamb import apply_trust_ratio, lamb_moments, lamb_updates
+from ..lamb import apply_trust_ratio, lamb_moments, lamb_step_size, lamb_updates
 from ._checks import check_adam_arguments
 from .base import CompressedOptimizer, frozen_denominators
 
@@ -125,7 +125,7 @@ class OneBitLamb(CompressedOptimizer):
         last.copy_(factor)
         coeffs = self._frozen_ratio()[part] * factor
         self.lamb_coeffs += list(coeffs)
-        torch._foreach_mul_(updates, (coeffs * self._frozen_step_size(group, step)).tolist())
+        torch._foreach_mul_(updates, (coeffs * lamb_step_size(group, step, self.freeze_step)).tolist())
         torch._foreach_sub_(params, updates)
 
     def _frozen_ratio(self) -> torch.Tensor:
@@ -134,13 +134,6 @@ class OneBitLamb(CompressedOptimizer):
         averaged = self.coeffs["averaged"]
         correction = 1 - torch.pow(torch.full_like(averaged, self.coeff_beta), averaged)
         return torch.where(averaged > 0, self.coeffs["frozen"] / correction.clamp(min=1e-12), torch.ones_like(averaged))
-
-    def _frozen_step_size(self, group: dict[str, Any], step: int) -> float:
-        """Lamb's step size with the variance's bias correction held where the variance froze."""
-        if not group["bias_correction"]:
-            return float(group["lr"])
-        beta1, beta2 = group["betas"]
-        return float(group["lr"]) * (1 - beta2**self.freeze_step) ** 0.5 / (1 - beta1**step)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratio each parameter got in the last step, in param-group order."""

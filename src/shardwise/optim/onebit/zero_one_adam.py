@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from ._checks import check_adam_arguments
-from .base import CompressedOptimizer, frozen_denominators
+from .base import CompressedOptimizer
 
 __all__ = ["ZeroOneAdam"]
 
@@ -114,49 +114,32 @@ class ZeroOneAdam(CompressedOptimizer):
             self._compressed_mean(mean)
             grads = self.views(mean)
         variance_steps = schedule.var_updates + (1 if exact else 0)
-        offset = 0
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            params, count = group["params"], len(group["params"])
-            group_grads = grads[offset : offset + count]
-            offset += count
-            torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], group_grads, 1 - beta1)
-            if exact:
-                variances = [self.state[p]["exp_avg_sq"] for p in params]
-                torch._foreach_mul_(variances, beta2)
-                torch._foreach_addcmul_(variances, group_grads, group_grads, value=1 - beta2)
-            updates, _ = self._updates(group, step, variance_steps)
-            torch._foreach_sub_(params, updates)
+        for group, part in self.groups():
+            self._adam_moments(group, grads[part], variance=exact)
+            torch._foreach_sub_(group["params"], self._updates(group, step, variance_steps))
 
-    def _updates(self, group: dict[str, Any], step: int, variance_steps: int) -> tuple[list[torch.Tensor], float]:
-        """Adam's step for `group` (decoupled weight decay) as new tensors, and its step size lr / bias correction."""
-        params, (beta1, beta2), lr = group["params"], group["betas"], group["lr"]
-        correct = group["bias_correction"]
-        bias1 = 1 - beta1**step if correct else 1.0
-        bias2 = 1 - beta2**variance_steps if correct else 1.0
-        denoms = frozen_denominators([self.state[p]["exp_avg_sq"] for p in params], bias2, group["eps"])
-        updates = torch._foreach_div([self.state[p]["exp_avg"] for p in params], denoms)
-        torch._foreach_mul_(updates, lr / bias1)
+    def _updates(self, group: dict[str, Any], step: int, variance_steps: int) -> list[torch.Tensor]:
+        """Adam's step for `group` (decoupled weight decay) as new tensors."""
+        params = group["params"]
+        updates = torch._foreach_div([self.state[p]["exp_avg"] for p in params],
+                                     self._adam_denominators(group, variance_steps))
+        torch._foreach_mul_(updates, self._adam_step_size(group, step))
         if group["weight_decay"] != 0:
-            torch._foreach_add_(updates, params, alpha=lr * group["weight_decay"])
-        return updates, lr / bias1
+            torch._foreach_add_(updates, params, alpha=group["lr"] * group["weight_decay"])
+        return updates
 
     def _local_step(self, step: int, schedule: _Schedule) -> None:
         if step == schedule.var_freeze_step + 1:
             self._start_local_phase()
         grads = self._grads(self._params)
         accumulated = self.views(self.accumulated)
-        offset, step_size = 0, 0.0
-        for group in self.param_groups:
-            beta1 = group["betas"][0]
-            params, count = group["params"], len(group["params"])
-            torch._foreach_lerp_([self.state[p]["exp_avg"] for p in params], grads[offset : offset + count], 1 - beta1)
-            updates, step_size = self._updates(group, step, schedule.var_updates)
-            torch._foreach_sub_(params, updates)
-            torch._foreach_add_(accumulated[offset : offset + count], updates)
-            offset += count
+        for group, part in self.groups():
+            self._adam_moments(group, grads[part], variance=False)
+            updates = self._updates(group, step, schedule.var_updates)
+            torch._foreach_sub_(group["params"], updates)
+            torch._foreach_add_(accumulated[part], updates)
         # One sum of step sizes for the whole model, as DeepSpeed keeps: groups differ in weight decay, not in lr.
-        self.accumulated_lr += step_size
+        self.accumulated_lr += self._adam_step_size(self.param_groups[-1], step)
         if schedule.syncs(step):
             self._sync(schedule.var_updates)
 
@@ -168,12 +151,7 @@ class ZeroOneAdam(CompressedOptimizer):
     def _sync(self, variance_steps: int) -> None:
         """The last synced weights minus the ranks' mean accumulated update; the momentum that update implies."""
         accumulated = self.views(self.accumulated)
-        denoms = []
-        for group in self.param_groups:
-            correct, beta2 = group["bias_correction"], group["betas"][1]
-            bias2 = 1 - beta2**variance_steps if correct else 1.0
-            denoms += frozen_denominators([self.state[p]["exp_avg_sq"] for p in group["params"]], bias2, group["eps"],
-                                          hold_unseen=False)
+        denoms = [d for group in self.param_groups for d in self._adam_denominators(group, variance_steps, hold_unseen=False)]
         torch._foreach_mul_(accumulated, denoms)  # into momentum units: sum of step size x momentum
         self._compressed_mean(self.accumulated)
         torch.div(self.accumulated, self.accumulated_lr, out=self.flat["exp_avg"])
