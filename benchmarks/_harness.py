@@ -249,6 +249,15 @@ def pyplot() -> Any | None:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out `fig`, write it to `path` (its folder made if needed) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def token_batches(vocab: int, micro: int, seq_len: int, count: int, rank: int) -> list[tuple[Any, Any]]:
     import torch
 

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _harness import print_columns, pyplot, verdict
+from _harness import print_columns, pyplot, save_figure, verdict
 from _netns_ranks import print_shaping
 from _slow_links_report import expected_tx_bytes
 
@@ -157,8 +157,4 @@ def plot(report: dict[str, Any], path: Path) -> Path | str:
             ax.set_title(f"world {world}: {title}", fontsize=10)
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from _harness import print_columns, pyplot
+from _harness import print_columns, pyplot, save_figure
 from _netns_ranks import print_shaping
 
 INTRA_NODE_GROUPS = ("node", "hpz")
@@ -231,8 +231,4 @@ def plot(report: dict[str, Any], path: Path) -> Path | str:
             ax.set_title(f"{model}: {title}")
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
