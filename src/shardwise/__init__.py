@@ -19,9 +19,11 @@ _PUBLIC = {
     "Engine": ".runtime.engine",
     "PipelineEngine": ".runtime.pipe_engine",
     "tp_model_init": ".tensor_parallel.megatron",
+    "init_inference": ".inference.build",
+    "InferenceEngine": ".inference.engine",
 }
 
-_SUBMODULES = ("pipe", "zero")
+_SUBMODULES = ("inference", "pipe", "zero")
 
 __all__ = ["__version__", *_PUBLIC, *_SUBMODULES]
 

@@ -1,9 +1,5 @@
-"""`deepspeed.init_inference`: shardwise has no inference engine yet."""
+"""`deepspeed.init_inference` and `deepspeed.InferenceEngine`: shardwise's inference engine."""
 
-from shardwise.unsupported import unsupported_function
+from shardwise.inference import InferenceEngine, init_inference
 
-init_inference = unsupported_function(
-    "deepspeed.init_inference", "run the trained model with plain torch (engine.module, or `shardwise checkpoint "
-    "to-fp32` then from_pretrained) until shardwise's inference engine lands.")
-
-__all__ = ["init_inference"]
+__all__ = ["InferenceEngine", "init_inference"]

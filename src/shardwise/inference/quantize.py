@@ -1,0 +1,84 @@
+"""int8 weight-only quantization: each linear (and embedding) weight is stored as int8 with one scale per output
+channel (per row of an embedding), and dequantized to the compute dtype when the module reads it.
+
+Symmetric, round to nearest: scale = max|row| / 127, so every weight is off by at most scale / 2. The weight
+becomes a property of the module's class, so every forward that reads `module.weight` (the tensor-parallel
+styles' row-parallel and vocabulary-parallel forwards among them) works unchanged. A weight shared by two modules
+(an embedding tied to the LM head) is quantized once and the two keep sharing it. Memory: 1 byte per weight plus
+one scale per row, against 2 in bf16; compute reads the dequantized copy, so it is not faster on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QUANT, SCALE = "weight_int8", "weight_scale"
+
+
+def quantize_rows(weight: torch.Tensor, out_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, scales) of `weight` with one scale per index along `out_dim`."""
+    w = weight.detach().float()
+    reduce = [d for d in range(w.dim()) if d != out_dim]
+    amax = w.abs().amax(dim=reduce, keepdim=True) if reduce else w.abs()
+    scale = (amax / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def _out_dim(module: torch.nn.Module) -> int | None:
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return 0
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' Conv1D: weight [in, out]
+        return 1
+    return None
+
+
+_classes: dict[type, type] = {}
+
+
+def _int8_class(cls: type) -> type:
+    """`cls` with `weight` read from its int8 values and scales, in the dtype the module computes in."""
+    if cls not in _classes:
+        def weight(self: torch.nn.Module) -> torch.Tensor:
+            return getattr(self, QUANT).to(self.compute_dtype) * getattr(self, SCALE)
+
+        _classes[cls] = type(f"Int8{cls.__name__}", (cls,), {"weight": property(weight), "__module__": cls.__module__})
+    return _classes[cls]
+
+
+def quantize_int8(model: torch.nn.Module, compute_dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
+    """Quantize every linear, Conv1D and embedding weight of `model` in place (not those under a `skip` name);
+    the number of weights quantized."""
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    count = 0
+    for name, module in model.named_modules():
+        out_dim = _out_dim(module)
+        weight = module._parameters.get("weight") if out_dim is not None else None
+        if weight is None or weight.dim() != 2 or any(name == s or name.startswith(f"{s}.") for s in skip):
+            continue
+        if id(weight) not in done:
+            q, scale = quantize_rows(weight, out_dim)
+            done[id(weight)] = (q.to(weight.device), scale.to(compute_dtype).to(weight.device))
+            count += 1
+        q, scale = done[id(weight)]
+        del module._parameters["weight"]
+        module.register_buffer(QUANT, q)
+        module.register_buffer(SCALE, scale)
+        module.compute_dtype = compute_dtype
+        module.__class__ = _int8_class(type(module))
+    logger.info("int8 weights: %d weights quantized", count)
+    return count
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the weights: parameters plus the int8 values and scales (each tensor counted once)."""
+    seen, total = set(), 0
+    tensors = [p for p in model.parameters()] + [b for n, b in model.named_buffers() if n.endswith((QUANT, SCALE))]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,205 @@
+"""Where inference weights come from, read one tensor (and only this rank's tensor-parallel piece of it) at a time.
+
+- `SafetensorsFolder`: a Hugging Face model folder (`model.safetensors`, or shards named by
+  `model.safetensors.index.json`), a PEFT adapter folder (`adapter_model.safetensors`), or DeepSpeed's checkpoint
+  descriptor (`{"type": "ds_model", "checkpoints": [files]}`) naming safetensors files.
+- `ShardwiseCheckpoint`: a checkpoint written by `engine.save_checkpoint`, at whatever world size, ZeRO stage and
+  tensor-parallel split it was trained with (checkpoint/reader.py reassembles the pieces).
+- `Chain`: the first source that has a name (a base model folder, then an adapter).
+
+A source is asked for a parameter by the model's own name; `candidates` maps that name onto the spellings the
+files use (a PEFT wrapper's `base_model.model.` prefix and `.base_layer`, the adapter name peft drops on save, a
+Hugging Face base-model prefix). Pickled weights (`pytorch_model.bin`) are refused: loading them runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+from ..checkpoint import layout
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.safetensors_file import SafetensorsFile
+from ..protocols.tensor_shard import TensorShard
+
+CHUNK_BYTES = 64 << 20
+"""A piece split along a later dim is read this many bytes of whole rows at a time: memory stays ~ the piece."""
+
+
+class WeightSource(Protocol):
+    def find(self, name: str) -> str | None:
+        """The key this source holds `name` under, or None."""
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor (this rank's piece of it, with `shard`) in `dtype`."""
+
+
+def candidates(name: str, adapter: str = "default", prefixes: tuple[str, ...] = ()) -> Iterator[str]:
+    """The spellings a parameter of the model may have in a weight file, the model's own first."""
+    seen = set()
+    for own in (name, name.replace(f".{adapter}.", ".")):  # peft saves adapters without their name
+        for variant in (own, own.removeprefix("base_model.model.").replace(".base_layer.", ".")):
+            for spelled in (variant, *(variant.removeprefix(p) if variant.startswith(p) else p + variant
+                                       for p in prefixes)):
+                if spelled not in seen:
+                    seen.add(spelled)
+                    yield spelled
+
+
+class SafetensorsFolder:
+    def __init__(self, files: list[Path]):
+        self.files = {}
+        for path in files:
+            opened = SafetensorsFile(path)
+            for key in opened.keys():
+                self.files.setdefault(key, opened)
+
+    @classmethod
+    def at(cls, path: str | Path) -> SafetensorsFolder:
+        root = Path(path)
+        index = next((root / n for n in ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
+                      if (root / n).is_file()), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls([root / f for f in dict.fromkeys(weight_map.values())])
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            pickled = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+            hint = (f" It has {pickled[:3]}: pickled weights, which shardwise does not load (unpickling runs code); "
+                    "convert them with transformers' save_pretrained(safe_serialization=True).") if pickled else ""
+            raise CheckpointError(f"{root}: no *.safetensors files (and no model.safetensors.index.json).{hint}")
+        return cls(files)
+
+    def find(self, name: str) -> str | None:
+        return name if name in self.files else None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.files[key].shape(key)
+
+    def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+        return read_piece(self.files[key], key, shard).to(dtype)
+
+
+def read_piece(file: SafetensorsFile, key: str, shard: TensorShard | None) -> torch.Tensor:
+    """This rank's piece of tensor `key`, reading only its bytes (or whole rows a chunk at a time)."""
+    shape = file.shape(key)
+    if shard is None:
+        return file.get_tensor(key)
+    if tuple(shape) != shard.full_shape:
+        raise CheckpointError(f"{file.path}: {key!r} has shape {tuple(shape)}; the model's parameter is "
+                              f"{shard.full_shape}. The weights are not this model's (check the config).")
+    dim, inner = shard.dim, math.prod(shape[shard.dim + 1:])
+    extent, piece = shape[dim], shape[dim] // (shard.blocks * shard.size)
+    block = extent // shard.blocks
+    if dim == 0:  # each block's piece is one contiguous range
+        starts = [b * block + shard.rank * piece for b in range(shard.blocks)]
+        flat = [file.read_range(key, s * inner, (s + piece) * inner) for s in starts]
+        return torch.cat(flat).view(shard.local_shape)
+    row = math.prod(shape[dim:])
+    outer = math.prod(shape[:dim])
+    per_chunk = max(1, CHUNK_BYTES // max(1, row * _element_size(file, key)))
+    parts = []
+    for lo in range(0, outer, per_chunk):
+        hi = min(outer, lo + per_chunk)
+        rows = file.read_range(key, lo * row, hi * row).view(hi - lo, *shape[dim:])
+        local = TensorShard(1, shard.rank, shard.size, tuple(rows.shape), shard.blocks)
+        parts.append(_take(rows, local).clone())
+    return torch.cat(parts).view(shard.local_shape)
+
+
+def _take(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
+    from ..tensor_parallel.shard import take
+
+    return take(full, shard)
+
+
+def _element_size(file: SafetensorsFile, key: str) -> int:
+    return file.read_range(key, 0, 0).element_size()
+
+
+class ShardwiseCheckpoint:
+    """A shardwise training checkpoint: `path` is the save directory (its `latest` is read) or a tag directory."""
+
+    def __init__(self, path: str | Path, tag: str | None = None):
+        self.reader = CheckpointReader(path, tag)
+
+    def find(self, name: str) -> str | None:
+        if self.reader.has(name):
+            return name
+        return name if name in self.reader.meta.get("persistent_buffers", []) else None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.reader.shape(key) if self.reader.has(key) else self.reader.buffer_shape(key)
+
+    def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+        if not self.reader.has(key):
+            return self.reader.buffer(key).to(dtype)
+        kinds = self.reader.kinds(key)
+        kind = layout.MASTER if layout.MASTER in kinds else layout.VALUE
+        out = torch.empty(shard.local_shape if shard is not None else self.shape(key), dtype=torch.float32)
+        self.reader.read_into(key, kind, 0, out.numel(), out.view(-1), shard)
+        return out.to(dtype)
+
+
+class Chain:
+    def __init__(self, *sources: WeightSource):
+        self.sources = sources
+        self._owner: dict[str, WeightSource] = {}
+
+    def find(self, name: str) -> str | None:
+        for source in self.sources:
+            key = source.find(name)
+            if key is not None:
+                self._owner[key] = source
+                return key
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._owner[key].shape(key)
+
+    def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
+        return self._owner[key].read(key, shard, dtype)
+
+
+def open_source(checkpoint: str | dict | WeightSource, base_dir: str = "") -> WeightSource:
+    """`init_inference`'s `checkpoint=`: a shardwise checkpoint, a safetensors folder, DeepSpeed's descriptor (a
+    dict or a JSON file naming safetensors files, relative to `base_dir`), or a source built already."""
+    if not isinstance(checkpoint, (str, Path, dict)):
+        return checkpoint
+    if isinstance(checkpoint, dict):
+        return _descriptor(checkpoint, base_dir)
+    path = Path(base_dir) / checkpoint if base_dir else Path(checkpoint)
+    if path.is_file() and path.suffix == ".json":
+        return _descriptor(json.loads(path.read_text()), base_dir or str(path.parent))
+    if path.is_file() and path.suffix == ".safetensors":
+        return SafetensorsFolder([path])
+    if not path.is_dir():
+        raise CheckpointError(f"init_inference: checkpoint {str(path)!r} does not exist; pass a shardwise checkpoint "
+                              "directory, a Hugging Face safetensors folder, or a descriptor JSON.")
+    if (path / layout.LATEST).is_file() or (path / layout.MANIFEST).is_file():
+        return ShardwiseCheckpoint(path)
+    return SafetensorsFolder.at(path)
+
+
+def _descriptor(desc: dict, base_dir: str) -> WeightSource:
+    files = desc.get("checkpoints")
+    if isinstance(files, dict):  # DeepSpeed's {"non_tp": [...], "tp": [...]}
+        files = [*files.get("non_tp", []), *files.get("tp", [])]
+    if not isinstance(files, list) or not files:
+        raise CheckpointError(f"init_inference: a checkpoint descriptor needs \"checkpoints\": [files]; got {desc!r}.")
+    if desc.get("type", "ds_model").lower() not in ("ds_model", "safetensors", "bloom"):
+        raise CheckpointError(f"init_inference: checkpoint type {desc.get('type')!r} is not read by shardwise; it "
+                              "reads safetensors files (type \"ds_model\") and shardwise checkpoints.")
+    paths = [Path(base_dir) / f for f in files]
+    pickled = [str(p) for p in paths if p.suffix != ".safetensors"]
+    if pickled:
+        raise CheckpointError(f"init_inference: {pickled[:3]} are not safetensors files; shardwise does not unpickle "
+                              "weights (it runs code). Convert them with save_pretrained(safe_serialization=True).")
+    return SafetensorsFolder(paths)
