@@ -41,6 +41,7 @@ def init_inference(model: torch.nn.Module, config: str | Path | Mapping[str, Any
     cfg = parse_inference_config(config, kwargs)
     link = _tensor_link(cfg)
     device = accelerator.device_for(int(os.environ.get("LOCAL_RANK", 0)))
+    _attention_kernels(model, cfg)
     on_meta = bool(meta_names(model)[0])
     if on_meta and cfg.checkpoint is None:
         raise ConfigError(["init_inference: the model's parameters are on the meta device (built under "
@@ -121,8 +122,15 @@ def _merge_lora(model: torch.nn.Module) -> torch.nn.Module:
         return model.merge_and_unload()
 
 
+def _attention_kernels(model: torch.nn.Module, cfg: InferenceConfig) -> None:
+    """DeepSpeed's kernel injection swaps in fused attention; shardwise's counterpart is torch's SDPA (flash or
+    memory-efficient kernels where the device has them), selected on the Hugging Face model."""
+    if cfg.replace_with_kernel_inject and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa")
+
+
 def _note_kernel_keys(cfg: InferenceConfig) -> None:
-    asked = [k for k in ("replace_with_kernel_inject", "use_triton", "enable_cuda_graph") if getattr(cfg, k)]
+    asked = [k for k in ("replace_with_kernel_inject", "use_triton") if getattr(cfg, k)]
     if asked:
         logger.info("init_inference: %s asked for; shardwise runs the model's own modules with SDPA attention and "
-                    "a static key/value cache (torch.compile applies on a GPU)", ", ".join(asked))
+                    "a static key/value cache", ", ".join(asked))

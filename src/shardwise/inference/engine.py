@@ -60,6 +60,10 @@ class InferenceEngine(torch.nn.Module):
         if isinstance(ids, torch.Tensor) and not given and self.caches.supports(self.module):
             self._check_length(ids, kwargs)
             kwargs[cache_keyword()] = self.caches.get(self.module, ids.shape[0])
+        if self._config.enable_cuda_graph and self.device_.type == "cuda" and "compile_config" not in kwargs:
+            from transformers import CompileConfig
+
+            kwargs["compile_config"] = CompileConfig(mode="reduce-overhead")  # decoding steps replayed as CUDA graphs
         if kwargs.get("do_sample") or getattr(getattr(self.module, "generation_config", None), "do_sample", False):
             self._share_random_state()
         with torch.no_grad():  # not inference_mode: collectives fill tensors from their own thread
