@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.safetensors_file import SafetensorsFile
 from ..protocols.tensor_shard import TensorShard
+from ..tensor_parallel.shard import take
 
 CHUNK_BYTES = 64 << 20
 """A piece split along a later dim is read this many bytes of whole rows at a time: memory stays ~ the piece."""
@@ -89,39 +90,31 @@ class SafetensorsFolder:
 
 def read_piece(file: SafetensorsFile, key: str, shard: TensorShard | None) -> torch.Tensor:
     """This rank's piece of tensor `key`, reading only its bytes (or whole rows a chunk at a time)."""
-    shape = file.shape(key)
     if shard is None:
         return file.get_tensor(key)
-    if tuple(shape) != shard.full_shape:
-        raise CheckpointError(f"{file.path}: {key!r} has shape {tuple(shape)}; the model's parameter is "
+    if tuple(file.shape(key)) != shard.full_shape:
+        raise CheckpointError(f"{file.path}: {key!r} has shape {tuple(file.shape(key))}; the model's parameter is "
                               f"{shard.full_shape}. The weights are not this model's (check the config).")
-    dim, inner = shard.dim, math.prod(shape[shard.dim + 1:])
-    extent, piece = shape[dim], shape[dim] // (shard.blocks * shard.size)
-    block = extent // shard.blocks
-    if dim == 0:  # each block's piece is one contiguous range
-        starts = [b * block + shard.rank * piece for b in range(shard.blocks)]
-        flat = [file.read_range(key, s * inner, (s + piece) * inner) for s in starts]
-        return torch.cat(flat).view(shard.local_shape)
-    row = math.prod(shape[dim:])
-    outer = math.prod(shape[:dim])
-    per_chunk = max(1, CHUNK_BYTES // max(1, row * _element_size(file, key)))
+    return read_ranges(lambda lo, hi: file.read_range(key, lo, hi), shard)
+
+
+def read_ranges(read_flat: Callable[[int, int], torch.Tensor], shard: TensorShard) -> torch.Tensor:
+    """A tensor-parallel piece of a tensor stored whole and flat, from reads of element ranges [lo, hi): one range
+    per block for a split along dim 0, whole rows a chunk at a time (the piece taken from each) otherwise."""
+    shape, dim = shard.full_shape, shard.dim
+    inner = math.prod(shape[dim + 1:])
+    piece = shape[dim] // (shard.blocks * shard.size)
+    if dim == 0:
+        starts = [b * (shape[0] // shard.blocks) + shard.rank * piece for b in range(shard.blocks)]
+        return torch.cat([read_flat(s * inner, (s + piece) * inner) for s in starts]).view(shard.local_shape)
+    row, outer = math.prod(shape[dim:]), math.prod(shape[:dim])
+    per_chunk = max(1, CHUNK_BYTES // (row * 4))
     parts = []
     for lo in range(0, outer, per_chunk):
         hi = min(outer, lo + per_chunk)
-        rows = file.read_range(key, lo * row, hi * row).view(hi - lo, *shape[dim:])
-        local = TensorShard(1, shard.rank, shard.size, tuple(rows.shape), shard.blocks)
-        parts.append(_take(rows, local).clone())
+        rows = read_flat(lo * row, hi * row).view(hi - lo, *shape[dim:])
+        parts.append(take(rows, TensorShard(1, shard.rank, shard.size, tuple(rows.shape), shard.blocks)).clone())
     return torch.cat(parts).view(shard.local_shape)
-
-
-def _take(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
-    from ..tensor_parallel.shard import take
-
-    return take(full, shard)
-
-
-def _element_size(file: SafetensorsFile, key: str) -> int:
-    return file.read_range(key, 0, 0).element_size()
 
 
 class ShardwiseCheckpoint:
@@ -141,11 +134,18 @@ class ShardwiseCheckpoint:
     def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
         if not self.reader.has(key):
             return self.reader.buffer(key).to(dtype)
-        kinds = self.reader.kinds(key)
-        kind = layout.MASTER if layout.MASTER in kinds else layout.VALUE
+        kind = layout.MASTER if layout.MASTER in self.reader.kinds(key) else layout.VALUE
+        saved = self.reader.meta["params"][key].get("tp")
+        if shard is not None and saved is None:  # saved whole: read only this rank's ranges of it
+            return read_ranges(lambda lo, hi: self._range(key, kind, lo, hi), shard).to(dtype)
         out = torch.empty(shard.local_shape if shard is not None else self.shape(key), dtype=torch.float32)
-        self.reader.read_into(key, kind, 0, out.numel(), out.view(-1), shard)
+        self.reader.read_into(key, kind, 0, out.numel(), out.view(-1), shard)  # other splits: assembled, then cut
         return out.to(dtype)
+
+    def _range(self, key: str, kind: str, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.reader.read_into(key, kind, lo, hi, out)
+        return out
 
 
 class Chain:
