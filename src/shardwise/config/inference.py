@@ -94,7 +94,9 @@ class InferenceConfig(Section):
     """DeepSpeed's older spelling of tensor_parallel.tp_size."""
     dtype: torch.dtype | None = None
     """None keeps the model's own dtype (DeepSpeed casts to fp16 by default, which on a CPU is slow and lossy)."""
-    checkpoint: str | dict | None = None
+    checkpoint: Any = None
+    """A path (shardwise checkpoint, safetensors folder or file, descriptor JSON), a descriptor dict, or a weight
+    source already opened (an object with `find`, `shape` and `read`, as `load_pretrained` passes)."""
     base_dir: str = ""
     max_out_tokens: int = Field(1024, gt=0, validation_alias=AliasChoices("max_out_tokens", "max_tokens"))
     min_out_tokens: int = Field(1, ge=0, validation_alias=AliasChoices("min_out_tokens", "min_tokens"))
@@ -128,6 +130,17 @@ class InferenceConfig(Section):
             return DTYPES[value.lower().removeprefix("torch.")]
         raise ValueError(f"dtype: one of torch.float32, torch.bfloat16, torch.float16 (or \"fp32\", \"bf16\", "
                          f"\"fp16\"); got {value!r}.")
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _checkpoint(cls, value: Any) -> Any:
+        if value is None or isinstance(value, (str, dict)):
+            return value
+        if isinstance(value, Path):
+            return str(value)
+        if all(callable(getattr(value, m, None)) for m in ("find", "shape", "read")):
+            return value
+        raise ValueError(f"checkpoint: a path, a descriptor dict or a weight source; got {type(value).__name__}.")
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
