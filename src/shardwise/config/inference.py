@@ -95,8 +95,8 @@ class InferenceConfig(Section):
     dtype: torch.dtype | None = None
     """None keeps the model's own dtype (DeepSpeed casts to fp16 by default, which on a CPU is slow and lossy)."""
     checkpoint: Any = None
-    """A path (shardwise checkpoint, safetensors folder or file, descriptor JSON), a descriptor dict, or a
-    shardwise.inference.sources weight source."""
+    """A path (shardwise checkpoint, safetensors folder or file, descriptor JSON), a descriptor dict, or a weight
+    source already opened (an object with `find`, `shape` and `read`, as `load_pretrained` passes)."""
     base_dir: str = ""
     max_out_tokens: int = Field(1024, gt=0, validation_alias=AliasChoices("max_out_tokens", "max_tokens"))
     min_out_tokens: int = Field(1, ge=0, validation_alias=AliasChoices("min_out_tokens", "min_tokens"))
@@ -134,10 +134,13 @@ class InferenceConfig(Section):
     @field_validator("checkpoint", mode="before")
     @classmethod
     def _checkpoint(cls, value: Any) -> Any:
-        if value is None or isinstance(value, (str, Path, dict)) or (hasattr(value, "find") and hasattr(value, "read")):
-            return str(value) if isinstance(value, Path) else value
-        raise ValueError(f"checkpoint: a path (shardwise checkpoint, safetensors folder, descriptor JSON) or a "
-                         f"descriptor dict; got {type(value).__name__}.")
+        if value is None or isinstance(value, (str, dict)):
+            return value
+        if isinstance(value, Path):
+            return str(value)
+        if all(callable(getattr(value, m, None)) for m in ("find", "shape", "read")):
+            return value
+        raise ValueError(f"checkpoint: a path, a descriptor dict or a weight source; got {type(value).__name__}.")
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:

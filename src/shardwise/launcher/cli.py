@@ -65,6 +65,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            _tool("shardwise.zero.estimate", prog="shardwise estimate")),
     "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
     "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
+    "serve": Subcommand("an OpenAI-style completions endpoint for a Hugging Face model, split over --tp processes",
+                        _tool("shardwise.inference.serve.cli")),
     "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
                              _tool("shardwise.launcher.check_comm")),
     "k8s": Subcommand("write a Kubeflow PyTorchJob (or Trainer v2 TrainJob) manifest for this training",

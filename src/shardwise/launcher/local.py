@@ -56,6 +56,9 @@ class LocalLaunch:
     pid_file: str | None = None  # --save_pid: where every process of the job notes its pid
     bind_cores: str | None = None  # --bind_cores_to_rank: "all" or --bind_core_list (see affinity.py)
     venv_script: str | None = None  # --venv_script: sourced here, its variables given to the agent and ranks
+    # Signals the agent answers by stopping the workers itself (torchrun's --signals-to-handle); None: torch's
+    # default (SIGTERM, SIGINT, SIGHUP, SIGQUIT). `shardwise serve` keeps SIGTERM and SIGINT to stop its ranks.
+    agent_signals: str | None = None
 
 
 def in_bootstrap(plan: LocalLaunch) -> LocalLaunch:
@@ -108,6 +111,7 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     argv += [f"--local-addr={plan.local_addr}"] if plan.local_addr else []
     argv += ["--module"] if plan.module else []
     argv += ["--no-python"] if plan.no_python else []
+    argv += [f"--signals-to-handle={plan.agent_signals}"] if plan.agent_signals else []
     args = torchrun.get_args_parser().parse_args([*argv, plan.script])
     args.training_script_args = worker_args(plan)
     return args
