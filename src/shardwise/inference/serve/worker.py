@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ...distributed.pending import CollectiveError
 from .batching import Batch, Message, RequestQueue, Row, ShuttingDown, left_padded
 from .cli import build_parser, listening_socket, load_options
 from .protocol import finish
@@ -70,6 +71,30 @@ def generate(engine: Any, batch: Batch) -> list[list[int]]:
     return out[:, ids.shape[1]:].tolist()
 
 
+class RanksOutOfStep(RuntimeError):
+    """A batch failed on some ranks of the group and not on others: they no longer run the same steps."""
+
+
+def generate_together(engine: Any, batch: Batch) -> tuple[list[list[int]] | None, Exception | None]:
+    """`generate` on every rank, then one all-reduce of whether it failed: an error every rank met (a prompt the
+    engine refuses) fails the batch and the server goes on; an error on some ranks only (memory on one device),
+    or a collective that failed, leaves the ranks out of step, so it stops the server on every rank instead."""
+    try:
+        out, error = generate(engine, batch), None
+    except CollectiveError:
+        raise
+    except Exception as caught:  # noqa: BLE001 - judged below, together with the other ranks
+        out, error = None, caught
+    if engine.tp_size > 1:
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=engine.device_)
+        low = engine.link.all_reduce(flag.clone(), dist.ReduceOp.MIN).item()
+        high = engine.link.all_reduce(flag.clone(), dist.ReduceOp.MAX).item()
+        if low != high:
+            raise RanksOutOfStep(f"shardwise serve: a batch failed on some tensor-parallel ranks only ({error!r} on "
+                                 f"rank {engine.tp_rank}); the ranks are out of step, so the server stops.")
+    return out, error
+
+
 class Lead:
     """Rank 0's loop: batches from the queue, generated with the group, decoded into the rows' futures."""
 
@@ -94,9 +119,13 @@ class Lead:
         batch = left_padded(rows, self.tokens.pad_token_id, sorted(self.tokens.eos_token_ids))
         self.channel.send(batch)
         try:
-            generated = generate(self.engine, batch)
-        except Exception as error:  # noqa: BLE001 - the request gets the error (500); the server keeps serving
-            logger.exception("shardwise serve: a batch of %d prompt(s) failed", len(rows))
+            generated, error = generate_together(self.engine, batch)
+        except Exception as fatal:
+            for row in rows:
+                row.future.set_exception(GenerationError(f"{type(fatal).__name__}: {fatal}"))
+            raise
+        if error is not None:  # every rank failed alike: the requests get the error (500); the server goes on
+            logger.error("shardwise serve: a batch of %d prompt(s) failed: %r", len(rows), error)
             for row in rows:
                 row.future.set_exception(GenerationError(f"{type(error).__name__}: {error}"))
             return
@@ -121,10 +150,9 @@ def follow(engine: Any, channel: Channel) -> None:
         if message == "stop":
             return
         if isinstance(message, Batch):
-            try:
-                generate(engine, message)
-            except Exception:  # noqa: BLE001 - rank 0 failed the same way and answers the request with it
-                logger.exception("shardwise serve: a batch failed on this rank")
+            _, error = generate_together(engine, message)
+            if error is not None:  # rank 0 failed the same way and answers the request with it
+                logger.error("shardwise serve: a batch failed on this rank too: %r", error)
 
 
 @contextlib.contextmanager
