@@ -27,9 +27,6 @@ from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.safetensors_file import SafetensorsFile
 from ..protocols.tensor_shard import TensorShard
 
-CHUNK_BYTES = 64 << 20
-"""A piece split along a later dim is read this many bytes of whole rows at a time: memory stays ~ the piece."""
-
 
 class WeightSource(Protocol):
     def find(self, name: str) -> str | None:
@@ -88,46 +85,27 @@ class SafetensorsFolder:
 
 
 def read_piece(file: SafetensorsFile, key: str, shard: TensorShard | None) -> torch.Tensor:
-    """This rank's piece of tensor `key`, reading only its bytes (or whole rows a chunk at a time)."""
+    """This rank's piece of tensor `key`, reading only its bytes: for each index of the dims before the split one
+    and each block, the piece is one contiguous range of the file (one range in all for a split along dim 0)."""
     shape = file.shape(key)
     if shard is None:
         return file.get_tensor(key)
     if tuple(shape) != shard.full_shape:
         raise CheckpointError(f"{file.path}: {key!r} has shape {tuple(shape)}; the model's parameter is "
                               f"{shard.full_shape}. The weights are not this model's (check the config).")
-    dim, inner = shard.dim, math.prod(shape[shard.dim + 1:])
-    extent, piece = shape[dim], shape[dim] // (shard.blocks * shard.size)
-    block = extent // shard.blocks
-    if dim == 0:  # each block's piece is one contiguous range
-        starts = [b * block + shard.rank * piece for b in range(shard.blocks)]
-        flat = [file.read_range(key, s * inner, (s + piece) * inner) for s in starts]
-        return torch.cat(flat).view(shard.local_shape)
-    row = math.prod(shape[dim:])
-    outer = math.prod(shape[:dim])
-    per_chunk = max(1, CHUNK_BYTES // max(1, row * _element_size(file, key)))
-    parts = []
-    for lo in range(0, outer, per_chunk):
-        hi = min(outer, lo + per_chunk)
-        rows = file.read_range(key, lo * row, hi * row).view(hi - lo, *shape[dim:])
-        local = TensorShard(1, shard.rank, shard.size, tuple(rows.shape), shard.blocks)
-        parts.append(_take(rows, local).clone())
-    return torch.cat(parts).view(shard.local_shape)
-
-
-def _take(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
-    from ..tensor_parallel.shard import take
-
-    return take(full, shard)
-
-
-def _element_size(file: SafetensorsFile, key: str) -> int:
-    return file.read_range(key, 0, 0).element_size()
+    dim, inner, outer = shard.dim, math.prod(shape[shard.dim + 1:]), math.prod(shape[:shard.dim])
+    block = shape[dim] // shard.blocks
+    piece = block // shard.size
+    row = shape[dim] * inner  # elements per index of the dims before `dim`
+    starts = [o * row + (b * block + shard.rank * piece) * inner for o in range(outer) for b in range(shard.blocks)]
+    return torch.cat([file.read_range(key, s, s + piece * inner) for s in starts]).view(shard.local_shape)
 
 
 class ShardwiseCheckpoint:
     """A shardwise training checkpoint: `path` is the save directory (its `latest` is read) or a tag directory."""
 
     def __init__(self, path: str | Path, tag: str | None = None):
+        self.path = str(path)
         self.reader = CheckpointReader(path, tag)
 
     def find(self, name: str) -> str | None:
@@ -141,6 +119,11 @@ class ShardwiseCheckpoint:
     def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
         if not self.reader.has(key):
             return self.reader.buffer(key).to(dtype)
+        if shard is not None and self.shape(key) != shard.full_shape:
+            # the reader would cut this rank's piece out of a tensor of another shape without complaint
+            raise CheckpointError(f"init_inference: {self.path!r} holds {key!r} with shape {self.shape(key)}; the "
+                                  f"model's parameter has shape {shard.full_shape}. The checkpoint is not this "
+                                  "model's (check the model config).")
         kinds = self.reader.kinds(key)
         kind = layout.MASTER if layout.MASTER in kinds else layout.VALUE
         out = torch.empty(shard.local_shape if shard is not None else self.shape(key), dtype=torch.float32)
