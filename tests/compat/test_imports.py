@@ -17,7 +17,7 @@ import shardwise
 NAMES = {  # module: names imported from it by real scripts
     "deepspeed": ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
                   "get_accelerator", "zero", "comm", "ops", "checkpointing", "OnDevice", "PipelineModule",
-                  "init_inference", "tp_model_init", "log_dist", "logger", "module_inject", "__version__"],
+                  "init_inference", "InferenceEngine", "tp_model_init", "log_dist", "logger", "module_inject", "__version__"],
     "deepspeed.comm": ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "broadcast",
                        "all_gather", "is_initialized", "init_distributed", "ReduceOp", "new_group"],
     "deepspeed.accelerator": ["get_accelerator"],
@@ -92,11 +92,21 @@ def test_hugging_face_and_accelerate_see_deepspeed():
 def test_unsupported_features_say_so():
     from deepspeed.moe.layer import MoE
 
+    with pytest.raises(NotImplementedError, match="not supported by shardwise yet"):
+        MoE(hidden_size=8)
+
+
+def test_init_inference_is_shardwises():
     import deepspeed
 
-    for build in (lambda: MoE(hidden_size=8), lambda: deepspeed.init_inference(torch.nn.Linear(2, 2))):
-        with pytest.raises(NotImplementedError, match="not supported by shardwise yet"):
-            build()
+    from shardwise.inference import InferenceEngine
+
+    assert deepspeed.InferenceEngine is InferenceEngine
+    model = torch.nn.Linear(4, 3)
+    engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=torch.float32)
+    assert isinstance(engine, deepspeed.InferenceEngine) and engine.module is model
+    x = torch.randn(2, 4)
+    assert torch.equal(engine(x), model(x).detach())
 
 
 def test_tp_model_init_records_the_size_that_initialize_splits_with():

@@ -10,6 +10,7 @@ writing a resharded checkpoint) are refused by name rather than ignored.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -95,8 +96,8 @@ class InferenceConfig(Section):
     dtype: torch.dtype | None = None
     """None keeps the model's own dtype (DeepSpeed casts to fp16 by default, which on a CPU is slow and lossy)."""
     checkpoint: Any = None
-    """A path (shardwise checkpoint, safetensors folder or file, descriptor JSON), a descriptor dict, or a weight
-    source already opened (an object with `find`, `shape` and `read`, as `load_pretrained` passes)."""
+    """A path (a shardwise checkpoint, a safetensors folder or file, a descriptor JSON), DeepSpeed's descriptor dict,
+    or a weight source built already (`load_pretrained` passes a folder chained with an adapter)."""
     base_dir: str = ""
     max_out_tokens: int = Field(1024, gt=0, validation_alias=AliasChoices("max_out_tokens", "max_tokens"))
     min_out_tokens: int = Field(1, ge=0, validation_alias=AliasChoices("min_out_tokens", "min_tokens"))
@@ -136,11 +137,12 @@ class InferenceConfig(Section):
     def _checkpoint(cls, value: Any) -> Any:
         if value is None or isinstance(value, (str, dict)):
             return value
-        if isinstance(value, Path):
-            return str(value)
-        if all(callable(getattr(value, m, None)) for m in ("find", "shape", "read")):
-            return value
-        raise ValueError(f"checkpoint: a path, a descriptor dict or a weight source; got {type(value).__name__}.")
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if all(callable(getattr(value, method, None)) for method in ("find", "shape", "read")):
+            return value  # a WeightSource (inference/sources.py)
+        raise ValueError(f"checkpoint: a path (a shardwise checkpoint, a safetensors folder, a descriptor JSON) or a "
+                         f"descriptor dict; got {type(value).__name__}.")
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,16 +48,18 @@ def init_inference(model: torch.nn.Module, config: str | Path | Mapping[str, Any
         raise ConfigError(["init_inference: the model's parameters are on the meta device (built under "
                            "empty_weights() or torch.device('meta')) and no checkpoint= was given to fill them; "
                            "pass checkpoint= (a shardwise checkpoint, a safetensors folder or a descriptor)."])
-    if not on_meta and link is not None:
+    if not on_meta and link is not None and cfg.checkpoint is None:  # a checkpoint replaces every weight
         check_ranks_hold_same_weights(model, link, device)
     split = _split(model, cfg, link) if link is not None else None
     compute_dtype = _compute_dtype(cfg, model, device)
     if cfg.checkpoint is not None:
         load_weights(model, open_source(cfg.checkpoint, cfg.base_dir), split, compute_dtype, device)
+    # by id: merging LoRA renames the base weights, and the cast below keeps each parameter object
+    shards = {id(p): split.shards[n] for n, p in model.named_parameters() if n in split.shards} if split else {}
     model = _merge_lora(model)
     model.to(device=device, dtype=compute_dtype)
     if cfg.int8_weights:
-        quantize_int8(model, compute_dtype)
+        quantize_int8(model, compute_dtype, shards=shards, link=link)
     _note_kernel_keys(cfg)
     return InferenceEngine(model.eval(), cfg, link, device)
 
@@ -96,8 +99,9 @@ def _injection_rules(model: torch.nn.Module, policy: dict) -> list[Rule]:
         rows = (rows,) if isinstance(rows, str) else tuple(rows)
         for child, sub in module.named_modules():
             if child and isinstance(sub, torch.nn.Linear):
-                style = ROWWISE if any(child == r or child.endswith(f".{r}") or r.endswith(child) for r in rows) else COLWISE
-                rules.append(Rule(rf"{name}\.{child}".replace(".", r"\."), style))
+                style = ROWWISE if any(child == r or child.endswith(f".{r}") or r.endswith(f".{child}")
+                                       for r in rows) else COLWISE
+                rules.append(Rule(re.escape(f"{name}.{child}"), style))
     if not rules:
         raise ConfigError([f"init_inference: injection_policy names {[getattr(k, '__name__', k) for k in policy]}, "
                            "but the model has no module of those classes."])

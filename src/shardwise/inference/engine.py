@@ -3,8 +3,8 @@
 `generate` with a static key/value cache, `engine.module` the model itself.
 
 Every rank of a tensor-parallel group must make the same calls with the same inputs (each computes its share of
-every layer); the engine checks that the inputs agree, and before a sampled generation it gives the group rank
-0's random state, so every rank draws the same tokens.
+every layer); the engine checks that the inputs agree, and before each generation it gives the group rank 0's
+random state, so every rank draws the same tokens.
 """
 
 from __future__ import annotations
@@ -64,19 +64,17 @@ class InferenceEngine(torch.nn.Module):
             from transformers import CompileConfig
 
             kwargs["compile_config"] = CompileConfig(mode="reduce-overhead")  # decoding steps replayed as CUDA graphs
-        if kwargs.get("do_sample") or getattr(getattr(self.module, "generation_config", None), "do_sample", False):
-            self._share_random_state()
+        # before every call, not only those with do_sample=True: sampling may be asked for by a generation_config=
+        # or a logits processor, and ranks drawing different tokens would each go on with another sequence
+        self._share_random_state()
         with torch.no_grad():  # not inference_mode: collectives fill tensors from their own thread
             return self.module.generate(*args, **kwargs)
 
     def _check_length(self, ids: torch.Tensor, kwargs: dict) -> None:
-        new = kwargs.get("max_new_tokens")
-        if new is None:
-            total = kwargs.get("max_length") or getattr(getattr(self.module, "generation_config", None), "max_length", 0)
-        else:
-            total = ids.shape[-1] + new
+        prompt = ids.shape[-1]
+        total = _generated_length(prompt, kwargs, getattr(self.module, "generation_config", None))
         if total > self._config.max_out_tokens:
-            raise ValueError(f"generate: {ids.shape[-1]} prompt tokens + {total - ids.shape[-1]} new ones = {total} "
+            raise ValueError(f"generate: {prompt} prompt tokens + {total - prompt} new ones = {total} "
                              f"exceeds max_out_tokens ({self._config.max_out_tokens}), the size of the key/value "
                              "cache; pass a larger max_out_tokens to init_inference or ask for fewer tokens.")
 
@@ -112,6 +110,26 @@ class InferenceEngine(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)  # config, device, can_generate, ... (HF pipelines read them)
+
+
+DEFAULT_NEW_TOKENS = 20
+"""What Hugging Face's generate makes when no length is set anywhere."""
+
+
+def _generated_length(prompt: int, kwargs: dict, model_config: Any) -> int:
+    """The sequence length generate runs to, as Hugging Face reads it: max_new_tokens past the prompt, else
+    max_length, each from the call's keywords, else its generation_config=, else the model's generation config."""
+    configs = (kwargs.get("generation_config"), model_config)
+
+    def setting(key: str) -> int | None:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+        return next((getattr(c, key) for c in configs if getattr(c, key, None) is not None), None)
+
+    new, total = setting("max_new_tokens"), setting("max_length")
+    if new is not None:
+        return prompt + new
+    return total if total is not None else prompt + DEFAULT_NEW_TOKENS
 
 
 def _to(value: Any, device: torch.device) -> Any:

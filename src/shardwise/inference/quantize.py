@@ -1,7 +1,9 @@
 """int8 weight-only quantization: each linear (and embedding) weight is stored as int8 with one scale per output
 channel (per row of an embedding), and dequantized to the compute dtype when the module reads it.
 
-Symmetric, round to nearest: scale = max|row| / 127, so every weight is off by at most scale / 2. The weight
+Symmetric, round to nearest: scale = max|row| / 127, so every weight is off by at most scale / 2; a row-parallel
+rank holds part of each row and takes the whole row's max from its group, so a split model dequantizes to the
+pieces of the weights the whole one would, and decodes as it does at tp 1. The weight
 becomes a property of the module's class, so every forward that reads `module.weight` (the tensor-parallel
 styles' row-parallel and vocabulary-parallel forwards among them) works unchanged. A weight shared by two modules
 (an embedding tied to the LM head) is quantized once and the two keep sharing it. Memory: 1 byte per weight plus
@@ -11,19 +13,27 @@ one scale per row, against 2 in bf16.
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 import torch
+
+from ..tensor_parallel import TensorLink, TensorShard
 
 logger = logging.getLogger(__name__)
 
 QUANT, SCALE = "weight_int8", "weight_scale"
 
 
-def quantize_rows(weight: torch.Tensor, out_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, scales) of `weight` with one scale per index along `out_dim`."""
+def quantize_rows(weight: torch.Tensor, out_dim: int = 0,
+                  whole_rows: TensorLink | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, scales) of `weight` with one scale per index along `out_dim`. With `whole_rows`, `weight`
+    holds part of each row (a row-parallel layer's piece) and the group holds the rest: the scale is the whole
+    row's, so a tensor-parallel rank's piece quantizes exactly as that piece of the whole weight would."""
     w = weight.detach().float()
     reduce = [d for d in range(w.dim()) if d != out_dim]
     amax = w.abs().amax(dim=reduce, keepdim=True) if reduce else w.abs()
+    if whole_rows is not None:
+        amax = whole_rows.all_reduce(amax, torch.distributed.ReduceOp.MAX)
     scale = (amax / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
 
@@ -63,10 +73,14 @@ def _int8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     return out + self.bias if self.bias is not None else out
 
 
-def quantize_int8(model: torch.nn.Module, compute_dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
+def quantize_int8(model: torch.nn.Module, compute_dtype: torch.dtype, skip: tuple[str, ...] = (),
+                  shards: Mapping[int, TensorShard] | None = None, link: TensorLink | None = None) -> int:
     """Quantize every linear, Conv1D and embedding weight of `model` in place (not those under a `skip` name);
-    the number of weights quantized."""
+    the number of weights quantized. `shards`: id of each tensor-parallel piece -> where it sits in the whole
+    weight, `link` the group holding the others: a row-split weight's scales are then its whole rows' (every rank
+    of the group must call this)."""
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    shards = shards or {}
     count = 0
     for name, module in model.named_modules():
         out_dim = _out_dim(module)
@@ -74,7 +88,8 @@ def quantize_int8(model: torch.nn.Module, compute_dtype: torch.dtype, skip: tupl
         if weight is None or weight.dim() != 2 or any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if id(weight) not in done:
-            q, scale = quantize_rows(weight, out_dim)
+            cut_rows = id(weight) in shards and shards[id(weight)].dim != out_dim
+            q, scale = quantize_rows(weight, out_dim, link if cut_rows else None)
             done[id(weight)] = (q.to(weight.device), scale.to(compute_dtype).to(weight.device))
             count += 1
         q, scale = done[id(weight)]

@@ -26,10 +26,6 @@ from ..checkpoint.errors import CheckpointError
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.safetensors_file import SafetensorsFile
 from ..protocols.tensor_shard import TensorShard
-from ..tensor_parallel.shard import take
-
-CHUNK_BYTES = 64 << 20
-"""A piece split along a later dim is read this many bytes of whole rows at a time: memory stays ~ the piece."""
 
 
 class WeightSource(Protocol):
@@ -89,7 +85,7 @@ class SafetensorsFolder:
 
 
 def read_piece(file: SafetensorsFile, key: str, shard: TensorShard | None) -> torch.Tensor:
-    """This rank's piece of tensor `key`, reading only its bytes (or whole rows a chunk at a time)."""
+    """This rank's piece of tensor `key`, reading only its bytes (see `read_ranges`)."""
     if shard is None:
         return file.get_tensor(key)
     if tuple(file.shape(key)) != shard.full_shape:
@@ -99,28 +95,23 @@ def read_piece(file: SafetensorsFile, key: str, shard: TensorShard | None) -> to
 
 
 def read_ranges(read_flat: Callable[[int, int], torch.Tensor], shard: TensorShard) -> torch.Tensor:
-    """A tensor-parallel piece of a tensor stored whole and flat, from reads of element ranges [lo, hi): one range
-    per block for a split along dim 0, whole rows a chunk at a time (the piece taken from each) otherwise."""
+    """A tensor-parallel piece of a tensor stored whole and flat, from reads of element ranges [lo, hi): for each
+    index of the dims before the split one and each block, the piece is one contiguous range (one range in all for
+    a split along dim 0), so exactly the piece's elements are read."""
     shape, dim = shard.full_shape, shard.dim
-    inner = math.prod(shape[dim + 1:])
-    piece = shape[dim] // (shard.blocks * shard.size)
-    if dim == 0:
-        starts = [b * (shape[0] // shard.blocks) + shard.rank * piece for b in range(shard.blocks)]
-        return torch.cat([read_flat(s * inner, (s + piece) * inner) for s in starts]).view(shard.local_shape)
-    row, outer = math.prod(shape[dim:]), math.prod(shape[:dim])
-    per_chunk = max(1, CHUNK_BYTES // (row * 4))
-    parts = []
-    for lo in range(0, outer, per_chunk):
-        hi = min(outer, lo + per_chunk)
-        rows = read_flat(lo * row, hi * row).view(hi - lo, *shape[dim:])
-        parts.append(take(rows, TensorShard(1, shard.rank, shard.size, tuple(rows.shape), shard.blocks)).clone())
-    return torch.cat(parts).view(shard.local_shape)
+    inner, outer = math.prod(shape[dim + 1:]), math.prod(shape[:dim])
+    block = shape[dim] // shard.blocks
+    piece = block // shard.size
+    row = shape[dim] * inner  # elements per index of the dims before `dim`
+    starts = [o * row + (b * block + shard.rank * piece) * inner for o in range(outer) for b in range(shard.blocks)]
+    return torch.cat([read_flat(s, s + piece * inner) for s in starts]).view(shard.local_shape)
 
 
 class ShardwiseCheckpoint:
     """A shardwise training checkpoint: `path` is the save directory (its `latest` is read) or a tag directory."""
 
     def __init__(self, path: str | Path, tag: str | None = None):
+        self.path = str(path)
         self.reader = CheckpointReader(path, tag)
 
     def find(self, name: str) -> str | None:
@@ -134,6 +125,11 @@ class ShardwiseCheckpoint:
     def read(self, key: str, shard: TensorShard | None, dtype: torch.dtype) -> torch.Tensor:
         if not self.reader.has(key):
             return self.reader.buffer(key).to(dtype)
+        if shard is not None and self.shape(key) != shard.full_shape:
+            # the reader would cut this rank's piece out of a tensor of another shape without complaint
+            raise CheckpointError(f"init_inference: {self.path!r} holds {key!r} with shape {self.shape(key)}; the "
+                                  f"model's parameter has shape {shard.full_shape}. The checkpoint is not this "
+                                  "model's (check the model config).")
         kind = layout.MASTER if layout.MASTER in self.reader.kinds(key) else layout.VALUE
         saved = self.reader.meta["params"][key].get("tp")
         if shard is not None and saved is None:  # saved whole: read only this rank's ranges of it
