@@ -10,6 +10,7 @@ writing a resharded checkpoint) are refused by name rather than ignored.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -94,7 +95,9 @@ class InferenceConfig(Section):
     """DeepSpeed's older spelling of tensor_parallel.tp_size."""
     dtype: torch.dtype | None = None
     """None keeps the model's own dtype (DeepSpeed casts to fp16 by default, which on a CPU is slow and lossy)."""
-    checkpoint: str | dict | None = None
+    checkpoint: Any = None
+    """A path (str or os.PathLike), DeepSpeed's descriptor dict, or a weight source object (`find`, `shape`,
+    `read`: what `load_pretrained` passes)."""
     base_dir: str = ""
     max_out_tokens: int = Field(1024, gt=0, validation_alias=AliasChoices("max_out_tokens", "max_tokens"))
     min_out_tokens: int = Field(1, ge=0, validation_alias=AliasChoices("min_out_tokens", "min_tokens"))
@@ -128,6 +131,17 @@ class InferenceConfig(Section):
             return DTYPES[value.lower().removeprefix("torch.")]
         raise ValueError(f"dtype: one of torch.float32, torch.bfloat16, torch.float16 (or \"fp32\", \"bf16\", "
                          f"\"fp16\"); got {value!r}.")
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _checkpoint(cls, value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if value is None or isinstance(value, (str, dict)) or all(callable(getattr(value, m, None))
+                                                                   for m in ("find", "shape", "read")):
+            return value
+        raise ValueError(f"checkpoint: a path, a descriptor dict ({{\"checkpoints\": [files]}}) or a weight "
+                         f"source; got {type(value).__name__}.")
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
