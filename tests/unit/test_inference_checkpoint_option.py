@@ -28,5 +28,5 @@ def test_checkpoint_takes_a_path_a_descriptor_or_an_opened_source() -> None:
     assert parse_inference_config(None, {"checkpoint": Path("/ckpt")}).checkpoint == "/ckpt"
     assert parse_inference_config(None, {"checkpoint": {"checkpoints": ["a.safetensors"]}}).checkpoint == {
         "checkpoints": ["a.safetensors"]}
-    with pytest.raises(ConfigError, match=r"checkpoint: a path .* or a descriptor dict; got object\."):
+    with pytest.raises(ConfigError, match=r"checkpoint: a path .*, a descriptor dict or a weight source .*; got object\."):
         parse_inference_config(None, {"checkpoint": object()})

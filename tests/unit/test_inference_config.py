@@ -121,4 +121,4 @@ def test_checkpoint_is_a_path_a_descriptor_or_a_weight_source(tmp_path):
     source = Chain()
     assert parse(checkpoint=source).checkpoint is source
     assert refusal(checkpoint=3) == ("init_inference: checkpoint: a path (a shardwise checkpoint, a safetensors "
-                                     "folder, a descriptor JSON) or a descriptor dict; got int.")
+                                     "folder, a descriptor JSON), a descriptor dict or a weight source (an object with find, shape and read); got int.")

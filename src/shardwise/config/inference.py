@@ -141,8 +141,9 @@ class InferenceConfig(Section):
             return os.fspath(value)
         if all(callable(getattr(value, method, None)) for method in ("find", "shape", "read")):
             return value  # a WeightSource (inference/sources.py)
-        raise ValueError(f"checkpoint: a path (a shardwise checkpoint, a safetensors folder, a descriptor JSON) or a "
-                         f"descriptor dict; got {type(value).__name__}.")
+        raise ValueError(f"checkpoint: a path (a shardwise checkpoint, a safetensors folder, a descriptor JSON), a "
+                         f"descriptor dict or a weight source (an object with find, shape and read); got "
+                         f"{type(value).__name__}.")
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
