@@ -58,8 +58,10 @@ def _int8_class(cls: type) -> type:
             return getattr(self, QUANT).to(self.compute_dtype) * getattr(self, SCALE)
 
         body = {"weight": property(weight), "__module__": cls.__module__}
-        if issubclass(cls, torch.nn.Linear):
+        if cls.forward is torch.nn.Linear.forward:  # a subclass's own forward (other arguments) is kept
             body["forward"] = _int8_linear_forward
+        elif cls.forward is torch.nn.Embedding.forward:
+            body["forward"] = _int8_embedding_forward
         _classes[cls] = type(f"Int8{cls.__name__}", (cls,), body)
     return _classes[cls]
 
@@ -71,6 +73,14 @@ def _int8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor
     flat = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q, scale.view(-1))
     out = flat.view(*x.shape[:-1], q.shape[0])
     return out + self.bias if self.bias is not None else out
+
+
+def _int8_embedding_forward(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The rows looked up, then scaled: a lookup never dequantizes the whole table."""
+    if self.max_norm is not None:
+        return torch.nn.functional.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type)
+    rows = torch.nn.functional.embedding(ids, getattr(self, QUANT))
+    return rows.to(self.compute_dtype) * torch.nn.functional.embedding(ids, getattr(self, SCALE))
 
 
 def quantize_int8(model: torch.nn.Module, compute_dtype: torch.dtype, skip: tuple[str, ...] = (),
