@@ -98,7 +98,7 @@ def speed_rank(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     models = _load_all(rank, spec)
-    pad = next(iter(models.values())).config.pad_token_id or 0
+    pad = (next(iter(models.values())).config.pad_token_id or 0) if models else 0  # rank 1 holds none without tp2
     batch_ids = prompts(spec["vocab"], max(spec["batches"]), spec["prompt_tokens"])
     configs = [(lib, dtype, b) for dtype in spec["dtypes"] for b in spec["batches"] for lib in spec["libraries"]]
     out: dict[str, Any] = {"calls": {}, "waiting_cpu_s": 0.0, "waiting_wall_s": 0.0}
