@@ -29,13 +29,23 @@ def quantize_rows(weight: torch.Tensor, out_dim: int = 0,
     """(int8 values, scales) of `weight` with one scale per index along `out_dim`. With `whole_rows`, `weight`
     holds part of each row (a row-parallel layer's piece) and the group holds the rest: the scale is the whole
     row's, so a tensor-parallel rank's piece quantizes exactly as that piece of the whole weight would."""
-    w = weight.detach().float()
-    reduce = [d for d in range(w.dim()) if d != out_dim]
-    amax = w.abs().amax(dim=reduce, keepdim=True) if reduce else w.abs()
+    rows = weight.detach().movedim(out_dim, 0).flatten(1)  # one row per output channel (a view)
+    chunks = range(0, rows.shape[0], max(1, CHUNK_ELEMENTS // max(1, rows.shape[1])))
+    per = chunks.step
+    amax = torch.cat([rows[i:i + per].float().abs().amax(dim=1) for i in chunks])
     if whole_rows is not None:
         amax = whole_rows.all_reduce(amax, torch.distributed.ReduceOp.MAX)
-    scale = (amax / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+    scale = (amax / 127.0).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+    q = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
+    for i in chunks:  # fp32 temporaries of one chunk at a time, not of the whole weight
+        q[i:i + per] = torch.round(rows[i:i + per].float() / scale[i:i + per]).clamp(-127, 127).to(torch.int8)
+    shape = [1] * weight.dim()
+    shape[out_dim] = -1
+    return (q.view(weight.movedim(out_dim, 0).shape).movedim(0, out_dim).contiguous(), scale.view(shape))
+
+
+CHUNK_ELEMENTS = 1 << 22
+"""Rows quantized at a time, in elements: bounds the fp32 temporaries to 16 MiB whatever the weight's size."""
 
 
 def _out_dim(module: torch.nn.Module) -> int | None:
