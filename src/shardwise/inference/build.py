@@ -40,8 +40,8 @@ def init_inference(model: torch.nn.Module, config: str | Path | Mapping[str, Any
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"init_inference: model must be an nn.Module; got {type(model).__name__}.")
     cfg = parse_inference_config(config, kwargs)
-    link = _tensor_link(cfg)
     device = accelerator.device_for(int(os.environ.get("LOCAL_RANK", 0)))
+    link = _tensor_link(cfg, device)
     _attention_kernels(model, cfg)
     on_meta = bool(meta_names(model)[0])
     if on_meta and cfg.checkpoint is None:
@@ -64,7 +64,7 @@ def init_inference(model: torch.nn.Module, config: str | Path | Mapping[str, Any
     return InferenceEngine(model.eval(), cfg, link, device)
 
 
-def _tensor_link(cfg: InferenceConfig) -> TensorLink | None:
+def _tensor_link(cfg: InferenceConfig, device: torch.device) -> TensorLink | None:
     tp = cfg.tp_size
     if tp == 1 and not dist.is_initialized():
         return None
@@ -77,7 +77,7 @@ def _tensor_link(cfg: InferenceConfig) -> TensorLink | None:
     if world % tp:
         raise ConfigError([f"init_inference: tensor_parallel.tp_size ({tp}) must divide the number of processes "
                            f"({world}); each group of tp_size ranks serves one replica."])
-    topology = Topology(accelerator.device_for(int(os.environ.get("LOCAL_RANK", 0))).type, tensor=tp)
+    topology = Topology(device.type, tensor=tp)
     return TensorLink(Collectives(), topology.tensor)
 
 

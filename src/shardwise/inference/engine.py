@@ -83,11 +83,7 @@ class InferenceEngine(torch.nn.Module):
         forever on a collective of another shape): refuse, on every rank."""
         if self.link is None or self.link.size == 1:
             return
-        digest = _fingerprint(args, kwargs)
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device_)
-        lowest, highest = self.link.all_reduce(mine.clone(), torch.distributed.ReduceOp.MIN), \
-            self.link.all_reduce(mine.clone(), torch.distributed.ReduceOp.MAX)
-        if lowest.item() != highest.item():
+        if not self.link.agrees(torch.tensor([_fingerprint(args, kwargs)], dtype=torch.int64, device=self.device_)):
             raise ValueError(f"inference: the {self.link.size} tensor-parallel ranks were called with different "
                              "inputs; every rank of the group must pass the same input_ids, attention_mask and "
                              "generation arguments (broadcast them from one rank).")

@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 from ..tensor_parallel import TensorLink, TensorShard
+from ..tensor_parallel.styles import linear_kind
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,10 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def _out_dim(module: torch.nn.Module) -> int | None:
-    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+    if isinstance(module, torch.nn.Embedding):
         return 0
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' Conv1D: weight [in, out]
-        return 1
-    return None
+    kind = linear_kind(module)
+    return None if kind is None else 1 if kind == "conv1d" else 0
 
 
 _classes: dict[type, type] = {}

@@ -85,10 +85,7 @@ def check_ranks_hold_same_weights(model: torch.nn.Module, link: TensorLink, devi
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params:
         return
-    sums = torch.stack([p.detach().double().sum() for p in params]).to(device)
-    low = link.all_reduce(sums.clone(), torch.distributed.ReduceOp.MIN)
-    high = link.all_reduce(sums.clone(), torch.distributed.ReduceOp.MAX)
-    if not torch.equal(low, high):
+    if not link.agrees(torch.stack([p.detach().double().sum() for p in params]).to(device)):
         raise ValueError("init_inference: the tensor-parallel ranks hold different weights (the model was built with "
                          "different random values on each); load it from the same files on every rank, seed every "
                          "rank alike, or pass checkpoint= so every rank reads its piece of the same weights.")

@@ -49,6 +49,13 @@ class TensorLink:
         self.comm.all_reduce(tensor, self.group, op).wait()
         return tensor
 
+    def agrees(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is the same on every rank of the group, in one all-reduce: the maximum of (x, -x) is
+        each element's largest value and its smallest, negated."""
+        flat = tensor.detach().reshape(-1)
+        high, negated_low = self.all_reduce(torch.cat([flat, -flat]), dist.ReduceOp.MAX).chunk(2)
+        return torch.equal(high, -negated_low)
+
     def all_gather_dim(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         local = local.detach().contiguous()
         # a fresh flat buffer, not a view: the choke point may fill it from another thread, where a view made

@@ -60,7 +60,7 @@ class Sharder:
             self._sequence_boundary(module, style)
         elif isinstance(module, torch.nn.Embedding) and style == EMBEDDING:
             self._embedding(name, module)
-        elif _kind(module) is not None and style in (COLWISE, ROWWISE, LM_HEAD):
+        elif linear_kind(module) is not None and style in (COLWISE, ROWWISE, LM_HEAD):
             self._linear(name, module, style, blocks)
         else:
             raise TensorParallelError(
@@ -89,7 +89,7 @@ class Sharder:
         setattr(module, attr, new)
 
     def _linear(self, name: str, module: torch.nn.Module, style: str, blocks: int) -> None:
-        conv1d = _kind(module) == "conv1d"  # weight is [in, out]
+        conv1d = linear_kind(module) == "conv1d"  # weight is [in, out]
         out_dim, in_dim = (1, 0) if conv1d else (0, 1)
         link, shared = self.link, self.copy_in
         if style in (COLWISE, LM_HEAD):
@@ -155,7 +155,8 @@ def _on_hidden(op: Callable, link: TensorLink, args: tuple, kwargs: dict) -> tup
     return args, {**kwargs, "hidden_states": op(kwargs["hidden_states"], link)}
 
 
-def _kind(module: torch.nn.Module) -> str | None:
+def linear_kind(module: torch.nn.Module) -> str | None:
+    """"linear" (nn.Linear, weight [out, in]), "conv1d" (transformers' Conv1D, weight [in, out]) or None."""
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D

@@ -86,10 +86,7 @@ def generate_together(engine: Any, batch: Batch) -> tuple[list[list[int]] | None
     except Exception as caught:  # noqa: BLE001 - judged below, together with the other ranks
         out, error = None, caught
     if engine.tp_size > 1:
-        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=engine.device_)
-        low = engine.link.all_reduce(flag.clone(), dist.ReduceOp.MIN).item()
-        high = engine.link.all_reduce(flag.clone(), dist.ReduceOp.MAX).item()
-        if low != high:
+        if not engine.link.agrees(torch.tensor([int(error is not None)], dtype=torch.int64, device=engine.device_)):
             raise RanksOutOfStep(f"shardwise serve: a batch failed on some tensor-parallel ranks only ({error!r} on "
                                  f"rank {engine.tp_rank}); the ranks are out of step, so the server stops.")
     return out, error
