@@ -223,16 +223,21 @@ TABLE: dict[str, Treatment] = {
     "tensor_parallel.tensor_parallel.*": noop("inference settings (tp_size, tp_grain_size); training uses autotp_size"),
     "tensor_parallel.injection_policy_tuple": refused("inference kernel-injection policies"),
     "tensor_parallel.replace_with_kernel_inject": only((False,), "inference kernel injection"),
+    # --- data efficiency (shardwise.data_efficiency) ----------------------------------------------------
+    "curriculum_learning.*": impl("sequence-length curriculum: the engine trains on the first `difficulty` positions "
+                                  "of each batch (DeepSpeed 0.19.8 removed this section; kept for older configs)"),
+    "data_efficiency.*": impl("curriculum learning by analysed data difficulty (data_sampling) and random-LTD "
+                              "(data_routing)"),
+    "data_efficiency.data_sampling.pin_memory": noop("batches are moved to the device by the engine's loader"),
     # --- features shardwise does not have -------------------------------------------------------------
     "expert_parallel.*": refused("AutoEP expert parallelism", UNLESS_ENABLED),
     "use_data_before_expert_parallelism": noop(NO_MOE),
     "hybrid_engine.*": refused("the RLHF hybrid training/inference engine", UNLESS_ENABLED),
-    "data_efficiency.*": refused("curriculum learning, dynamic batching and random-LTD", UNLESS_ENABLED),
+    "data_efficiency.data_sampling.dynamic_batching.*": refused("dynamic batching (variable batch size and lr)", UNLESS_ENABLED),
     "weight_quantization.*": refused("quantized weight initialization"),
     "compile.deepcompile": only((False,), "DeepCompile"),
     "compile.*": noop(NO_DEEPCOMPILE),
     "compression_training": refused(REMOVED),
-    "curriculum_learning": refused(REMOVED),
     "eigenvalue": refused(REMOVED),
     "elasticity": refused(REMOVED),
     "graph_harvesting": refused(REMOVED),

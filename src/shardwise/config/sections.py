@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .base import Section
+from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
 from .training import COMPRESSED_OPTIMIZER_NAMES, OptimizerConfig, SchedulerConfig
@@ -252,6 +253,15 @@ class Config(Section, RawConfigView):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    curriculum_learning: LegacyCurriculumConfig | None = None
+    data_efficiency: DataEfficiencyConfig = DataEfficiencyConfig()
+
+    @field_validator("curriculum_learning", mode="before")
+    @classmethod
+    def _legacy_curriculum_on(cls, value: object) -> object:
+        if isinstance(value, dict) and value.get("enabled") is not True:
+            return None  # a switched-off section asks for nothing, and need not name a schedule
+        return value
 
     @field_validator("steps_per_print", mode="before")
     @classmethod
