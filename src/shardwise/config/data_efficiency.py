@@ -80,7 +80,8 @@ class DataCurriculumConfig(Section):
 
     enabled: bool = False
     data_cluster_path: str | None = None
-    curriculum_metrics: dict[str, CurriculumMetricConfig] = Field(default_factory=dict)
+    curriculum_metrics: dict[str, CurriculumMetricConfig] | None = Field(default_factory=dict)
+    """Never None once validated (null, DeepSpeed's default, becomes {}); the schema lets editors accept null."""
 
     @field_validator("curriculum_metrics", mode="before")
     @classmethod
