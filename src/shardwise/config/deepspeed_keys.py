@@ -223,6 +223,9 @@ TABLE: dict[str, Treatment] = {
     "tensor_parallel.tensor_parallel.*": noop("inference settings (tp_size, tp_grain_size); training uses autotp_size"),
     "tensor_parallel.injection_policy_tuple": refused("inference kernel-injection policies"),
     "tensor_parallel.replace_with_kernel_inject": only((False,), "inference kernel injection"),
+    # --- sparse attention (removed from DeepSpeed 0.19.8; shardwise keeps it, on flex_attention) -------------
+    "sparse_attention.*": impl("block-sparse attention (modes dense, fixed, variable, bigbird, bslongformer): initialize "
+                               "switches a Hugging Face model's attention to shardwise.sparse_attention"),
     # --- features shardwise does not have -------------------------------------------------------------
     "expert_parallel.*": refused("AutoEP expert parallelism", UNLESS_ENABLED),
     "use_data_before_expert_parallelism": noop(NO_MOE),
@@ -238,7 +241,6 @@ TABLE: dict[str, Treatment] = {
     "graph_harvesting": refused(REMOVED),
     "progressive_layer_drop": refused(REMOVED),
     "quantize_training": refused(REMOVED),
-    "sparse_attention": refused(REMOVED),
     "sparse_gradients": refused(REMOVED),
 }
 
