@@ -31,6 +31,7 @@ from .pipeline.module import PipelineModule
 from .runtime.engine import Engine
 from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
+from .sparse_attention.apply import apply_sparse_attention
 from .runtime.tensor_parallel_setup import data_parallel_size, split_model, tensor_parallel_size
 from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
@@ -68,6 +69,7 @@ def initialize(
     tensor = tensor_parallel_size(raw, model, mpu)
     cfg = parse_config(raw, dp_size=data_parallel_size(dist.get_world_size(), pipe, tensor))
     _check_pipeline(cfg, model)
+    apply_sparse_attention(model, cfg.sparse_attention)
     groups = _param_groups(optimizer, model_parameters, model)
     check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
     make_optimizer = _optimizer_factory(optimizer, cfg)

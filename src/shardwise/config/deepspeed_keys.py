@@ -229,6 +229,9 @@ TABLE: dict[str, Treatment] = {
     "data_efficiency.*": impl("curriculum learning by analysed data difficulty (data_sampling) and random-LTD "
                               "(data_routing)"),
     "data_efficiency.data_sampling.pin_memory": noop("batches are moved to the device by the engine's loader"),
+    # --- sparse attention (removed from DeepSpeed 0.19.8; shardwise keeps it, on flex_attention) -------------
+    "sparse_attention.*": impl("block-sparse attention (modes dense, fixed, variable, bigbird, bslongformer): initialize "
+                               "switches a Hugging Face model's attention to shardwise.sparse_attention"),
     # --- features shardwise does not have -------------------------------------------------------------
     "expert_parallel.*": refused("AutoEP expert parallelism", UNLESS_ENABLED),
     "use_data_before_expert_parallelism": noop(NO_MOE),
@@ -243,7 +246,6 @@ TABLE: dict[str, Treatment] = {
     "graph_harvesting": refused(REMOVED),
     "progressive_layer_drop": refused(REMOVED),
     "quantize_training": refused(REMOVED),
-    "sparse_attention": refused(REMOVED),
     "sparse_gradients": refused(REMOVED),
 }
 

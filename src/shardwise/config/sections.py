@@ -19,9 +19,10 @@ from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfi
 from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
 from .training import COMPRESSED_OPTIMIZER_NAMES, OptimizerConfig, SchedulerConfig
 from .raw_view import RawConfigView
+from .sparse_attention import SparseAttentionConfig
 
 __all__ = ["ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "Config", "DataTypesConfig", "FP16Config", "OffloadOptimizerConfig",
-           "OffloadParamConfig", "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "Section", "TorchAutocastConfig", "ZeroConfig"]
+           "OffloadParamConfig", "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "Section", "SparseAttentionConfig", "TorchAutocastConfig", "ZeroConfig"]
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -255,6 +256,7 @@ class Config(Section, RawConfigView):
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     curriculum_learning: LegacyCurriculumConfig | None = None
     data_efficiency: DataEfficiencyConfig = DataEfficiencyConfig()
+    sparse_attention: SparseAttentionConfig | None = None
 
     @field_validator("curriculum_learning", mode="before")
     @classmethod
@@ -262,6 +264,11 @@ class Config(Section, RawConfigView):
         if isinstance(value, dict) and value.get("enabled") is not True:
             return None  # a switched-off section asks for nothing, and need not name a schedule
         return value
+
+    @field_validator("sparse_attention", mode="before")
+    @classmethod
+    def _sparse_attention_off(cls, value: object) -> object:
+        return None if isinstance(value, dict) and value.get("enabled") is False else value
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

@@ -1,5 +1,6 @@
-"""`deepspeed.ops`: optimizers with DeepSpeed's constructors (shardwise.optim.adam); shardwise builds no native ops."""
+"""`deepspeed.ops`: optimizers with DeepSpeed's constructors (shardwise.optim.adam) and block-sparse attention
+(shardwise.sparse_attention); shardwise builds no native ops."""
 
-from . import adagrad, adam, lamb, lion
+from . import adagrad, adam, lamb, lion, sparse_attention
 
-__all__ = ["adagrad", "adam", "lamb", "lion"]
+__all__ = ["adagrad", "adam", "lamb", "lion", "sparse_attention"]

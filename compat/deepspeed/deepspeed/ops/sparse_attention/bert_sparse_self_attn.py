@@ -1,0 +1,3 @@
+from shardwise.sparse_attention.bert import BertSparseSelfAttention
+
+__all__ = ["BertSparseSelfAttention"]

@@ -1,0 +1,3 @@
+from shardwise.sparse_attention.utils import SparseAttentionUtils
+
+__all__ = ["SparseAttentionUtils"]

@@ -1,0 +1,3 @@
+from shardwise.sparse_attention.attention import SparseSelfAttention
+
+__all__ = ["SparseSelfAttention"]

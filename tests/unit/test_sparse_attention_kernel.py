@@ -1,0 +1,152 @@
+"""SparseSelfAttention's numbers against plain attention written here: softmax(QKᵀ/√d) V with the layout
+expanded to a boolean [S, S] mask. SDPA path: forward and gradients; flex path: forward (torch 2.13's
+flex_attention has no CPU backward; tests/gpu/test_sparse_attention_gpu.py checks its gradients on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.sparse_attention import (BigBirdSparsityConfig, BSLongformerSparsityConfig, DenseSparsityConfig,
+                                        FixedSparsityConfig, SparseAttentionInputError, SparseSelfAttention,
+                                        VariableSparsityConfig)
+
+HEADS, SEQ, DIM, BLOCK = 2, 32, 8, 4
+
+
+def qkv(seed: int = 0, batch: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, HEADS, SEQ, DIM, generator=g, requires_grad=True) for _ in range(3)]
+
+
+def plain_attention(q, k, v, layout, block, causal, bias=None, keep=None):
+    """The reference: every score, then the mask; a query with nothing to attend to outputs 0."""
+    allowed = layout.bool().repeat_interleave(block, 1).repeat_interleave(block, 2)
+    if causal:
+        allowed = allowed & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    if keep is not None:
+        allowed = allowed & keep
+    scores = q @ k.transpose(-1, -2) / DIM ** 0.5
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed, -float("inf"))
+    has_any = (scores > -float("inf")).any(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~has_any, 0.0), dim=-1) * has_any
+    return probs @ v
+
+
+def configs(attention):
+    return {
+        "fixed": FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2, attention=attention),
+        "bigbird": BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1, attention=attention),
+        "variable": VariableSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1, local_window_blocks=[1, 3],
+                                           global_block_indices=[2], attention=attention),
+        "bslongformer": BSLongformerSparsityConfig(HEADS, block=BLOCK, global_block_indices=[1], attention=attention),
+    }
+
+
+def grads_close(out, ref, inputs):
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, inputs, g)
+    want = torch.autograd.grad(ref, inputs, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_equals_sdpa_forward_and_gradients(causal):
+    q, k, v = qkv()
+    attention = "unidirectional" if causal else "bidirectional"
+    out = SparseSelfAttention(DenseSparsityConfig(HEADS, block=BLOCK, attention=attention), max_seq_length=SEQ,
+                              backend="sdpa")(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads_close(out, ref, (q, k, v))
+    with torch.no_grad():
+        flex = SparseSelfAttention(DenseSparsityConfig(HEADS, block=BLOCK, attention=attention), max_seq_length=SEQ,
+                                   backend="flex")(q, k, v)
+    torch.testing.assert_close(flex, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "unidirectional"])
+@pytest.mark.parametrize("mode", ["fixed", "bigbird", "variable", "bslongformer"])
+def test_sparse_modes_equal_plain_masked_attention_sdpa(mode, attention):
+    config = configs(attention)[mode]
+    module = SparseSelfAttention(config, max_seq_length=64, backend="sdpa")
+    layout = config.make_layout(64)[:, :SEQ // BLOCK, :SEQ // BLOCK]  # DeepSpeed cuts the max-length layout
+    assert 0 < layout.float().mean() < 1
+    q, k, v = qkv(1)
+    out = module(q, k, v)
+    ref = plain_attention(q, k, v, layout, BLOCK, attention == "unidirectional")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads_close(out, ref, (q, k, v))
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=attention == "unidirectional"))
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "unidirectional"])
+def test_sparse_modes_equal_plain_masked_attention_flex(attention):
+    q, k, v = (t.detach() for t in qkv(2))
+    for mode, config in configs(attention).items():
+        with torch.no_grad():
+            out = SparseSelfAttention(config, max_seq_length=SEQ, backend="flex")(q, k, v)
+        ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, attention == "unidirectional")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=mode)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_masks_modes_and_fully_masked_rows_give_zero(backend):
+    config = FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2)
+    q, k, v = qkv(3)
+    padding = torch.ones(2, SEQ)
+    padding[1, :] = 0  # sample 1: every key dropped, so every row is empty
+    padding[0, -5:] = 0
+    attn_add = torch.randn(SEQ, SEQ)
+    rpe = torch.randn(HEADS, SEQ, SEQ)
+    module = SparseSelfAttention(config, key_padding_mask_mode="mul", attn_mask_mode="add", max_seq_length=SEQ,
+                                 backend=backend)
+    keep = (padding != 0)[:, None, None, :]
+    ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False, bias=attn_add + rpe, keep=keep)
+    grad = torch.is_grad_enabled() and backend == "sdpa"
+    with torch.set_grad_enabled(grad):
+        out = module(q, k, v, rpe=rpe, key_padding_mask=padding, attn_mask=attn_add)
+    torch.testing.assert_close(out, ref.detach() if not grad else ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and not out.isnan().any()
+    if grad:
+        grad_q, = torch.autograd.grad(out.sum(), q, retain_graph=True)
+        assert not grad_q.isnan().any() and torch.equal(grad_q[1], torch.zeros_like(grad_q[1]))
+        grads_close(out, ref, (q, k, v))
+
+
+def test_add_mode_padding_and_mul_mode_attn_mask():
+    config = BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=0)
+    q, k, v = qkv(4)
+    padding = torch.zeros(2, 1, 1, SEQ)  # HF's extended shape is accepted
+    padding[..., -3:] = -10000.0
+    causal = torch.ones(SEQ, SEQ).tril()  # "mul": zeros drop
+    out = SparseSelfAttention(config, max_seq_length=SEQ, backend="sdpa")(q, k, v, key_padding_mask=padding,
+                                                                         attn_mask=causal)
+    ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False, bias=padding, keep=causal.bool())
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_not_a_multiple_of_block_names_pad_to_block_size():
+    module = SparseSelfAttention(FixedSparsityConfig(HEADS, block=16), max_seq_length=64)
+    q = torch.randn(1, HEADS, 40, DIM)
+    with pytest.raises(SparseAttentionInputError, match=r"sequence length: must be a multiple of the sparsity block "
+                       r"\(16\); got 40\. Pad the inputs with SparseAttentionUtils.pad_to_block_size"):
+        module(q, q, q)
+    with pytest.raises(SparseAttentionInputError, match=r"at most max_seq_length \(64\) is required; got 80"):
+        module(*[torch.randn(1, HEADS, 80, DIM)] * 3)
+    with pytest.raises(SparseAttentionInputError, match=r"query: 2 heads \(the sparsity config's num_heads\)"):
+        module(*[torch.randn(1, 3, 32, DIM)] * 3)
+
+
+def test_flex_refuses_to_train_on_cpu_and_auto_falls_back_to_sdpa():
+    q, k, v = qkv(5)
+    config = FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2)
+    with pytest.raises(ValueError, match="backend: \"flex\" cannot train on CPU"):
+        SparseSelfAttention(config, max_seq_length=SEQ, backend="flex")(q, k, v)
+    out = SparseSelfAttention(config, max_seq_length=SEQ, backend="auto")(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None
