@@ -69,6 +69,12 @@ class RandomLTDScheduler:
                 "current_value": self.get_current_seq(), "min_value": self.schedule.min_value,
                 "max_value": self.schedule.max_value}
 
+    def get_state(self) -> dict[str, int]:
+        """DeepSpeed's `state` dict, read-only here (scripts read `consumed_layer_tokens` from it)."""
+        return self.state_dict()
+
+    state = property(get_state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Takes the step; the rest follows from it (the schedule is a pure function of the step)."""
         if (state.get("min_value"), state.get("max_value")) != (self.schedule.min_value, self.schedule.max_value):
@@ -135,6 +141,28 @@ def attach_random_ltd(model: torch.nn.Module, config: Any, dp_rank: int) -> Rand
     except LayerListNotFound as e:
         scheduler.pending_error = str(e)
     return scheduler
+
+
+def convert_to_random_ltd(engine: Any, layer_type: type | tuple[type, ...]) -> Any:
+    """Attach random-LTD to the modules of `layer_type` of `engine.module` (in order: the layer list that
+    random_ltd_layer_id indexes), replacing what initialize attached; DeepSpeed-Chat calls this after initialize."""
+    scheduler = getattr(engine, "random_ltd_scheduler", None)
+    if scheduler is None:
+        raise RandomLTDError("convert_to_random_ltd: needs data_efficiency.data_routing.random_ltd enabled in the "
+                             f"config of the engine; got {type(engine).__name__} without it. Enable it (with "
+                             "data_efficiency.enabled and data_routing.enabled).")
+    scheduler.convert(engine.module, layer_type)
+    return engine
+
+
+def remove_random_ltd_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict as a model without random-LTD names it: unchanged, as random-LTD adds no name level
+    (token_drop.py, [Note: random-LTD without a wrapper module])."""
+    return dict(state_dict)
+
+
+def save_without_random_ltd(model: torch.nn.Module) -> dict[str, Any]:
+    return remove_random_ltd_state_dict(getattr(model, "module", model).state_dict())
 
 
 class LayerListNotFound(RandomLTDError):
