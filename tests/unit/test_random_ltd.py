@@ -9,7 +9,7 @@ import torch
 from shardwise.config import ConfigError, parse_config
 from shardwise.config.data_efficiency import RandomLTDConfig
 from shardwise.data_efficiency.random_ltd import RandomLTDError, RandomLTDScheduler, attach_random_ltd
-from tests.random_ltd_models import LAYERS, SEQ, batch, ltd_section, oracle_loss, tiny
+from tests.random_ltd_models import SEQ, batch, ltd_section, oracle_loss, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,3 +212,17 @@ def test_min_value_below_seq_per_step_is_refused():
     with pytest.raises(ConfigError, match=r"random_ltd_schedule.min_value: at least schedule_config.seq_per_step "
                                           r"\(16\) is required"):
         _config(seq_per_step=16)
+
+
+def test_activation_checkpointing_recomputes_the_same_tokens():
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny("llama")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        _scheduler(model, [1, 2], 4, SEQ).update_seq(1, 0)
+        ids = batch(0, 2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
