@@ -17,6 +17,7 @@ from .config import Config, ConfigError, parse_config
 from .config.parse import load_raw
 from .config.notes import note_once
 from .config.training import COMPRESSED_OPTIMIZER_NAMES
+from .data_efficiency.random_ltd import attach_random_ltd
 from .distributed import Collectives, Group, Topology, init_distributed
 from .distributed.groups import record as record_groups
 from .monitor.console import ensure_console_handler
@@ -90,6 +91,7 @@ def initialize(
         groups = split.remap(groups)
     model.to(device)
     _broadcast_module(model, topology.data, comm)
+    random_ltd = attach_random_ltd(model, cfg, topology.data.rank)  # before the strategy wraps the model
     precision = PrecisionPolicy.from_config(cfg)
     strategy = make_strategy(StrategyInputs(
         module=model, param_groups=groups, make_optimizer=make_optimizer, precision=precision,
@@ -102,6 +104,7 @@ def initialize(
     scheduler = _make_scheduler(cfg, lr_scheduler, strategy.optimizer)
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
     engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank, split)
+    engine.random_ltd_scheduler = random_ltd
     loader = None
     if training_data is not None:
         loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,

@@ -121,6 +121,11 @@ class RandomLTDSchedule(Section):
         if self.min_value > self.max_value:
             raise ValueError(f"random_ltd_schedule.min_value: must not exceed max_value ({self.max_value}); got "
                              f"{self.min_value}.")
+        if self.min_value < self.schedule_config.seq_per_step:
+            raise ValueError(f"random_ltd_schedule.min_value: at least schedule_config.seq_per_step "
+                             f"({self.schedule_config.seq_per_step}) is required, as the kept count is rounded down "
+                             f"to a multiple of it and would start at 0 tokens; got {self.min_value}. Raise "
+                             "min_value or lower seq_per_step.")
         return self
 
 

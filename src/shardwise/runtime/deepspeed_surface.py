@@ -104,6 +104,13 @@ class DeepSpeedSurface:
     def data_parallel_group(self) -> Any:
         return self.topology.data.pg
 
+    # --- data efficiency -----------------------------------------------------------------------------
+    random_ltd_scheduler: Any = None
+    """The random-LTD scheduler (shardwise.data_efficiency.random_ltd) when the config turns it on."""
+
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
     # --- attributes of the wrapped module ----------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:

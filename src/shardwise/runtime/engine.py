@@ -121,6 +121,8 @@ class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         self._window_tokens += _token_count(inputs, kwargs)
+        if self.random_ltd_scheduler is not None and self.module.training:
+            self.random_ltd_scheduler.update_seq(self.global_steps, self.window_micro_steps)
         with self.instruments.forward(self.module, self.global_steps), self._autocast():
             try:
                 return self.module(*inputs, **kwargs)
