@@ -85,7 +85,8 @@ def _run(rank: int, name: str, phase: str, seq: int, args: dict[str, Any]) -> di
 
 
 def _skip_reason(name: str, phase: str, seq: int, args: dict[str, Any]) -> str | None:
-    materialises = args["device"] == "cpu" and (name == "dense_sdpa" or phase == "train")
+    # Dense causal SDPA runs torch's flash kernel on CPU (88 MiB at 4k tokens, measured): no [S,S] scores.
+    materialises = args["device"] == "cpu" and name != "dense_sdpa" and phase == "train"
     estimate = 4 * args["batch"] * args["heads"] * seq * seq * 4 / 2**30
     if materialises and estimate > args["memory_cap_gib"]:
         return (f"[B,H,S,S] fp32 scores materialised: ~{estimate:.1f} GiB estimated > cap {args['memory_cap_gib']} GiB "
