@@ -26,6 +26,7 @@ from .optim.registry import build_optimizer, build_scheduler, check_optimizer, c
 from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
 from .protocols import MakeOptimizer, ParamGroups, StrategyInputs
+from .data_efficiency.engine_surface import build_training_loader
 from .runtime.data import DistributedLoader
 from .pipeline.module import PipelineModule
 from .runtime.engine import Engine
@@ -102,10 +103,9 @@ def initialize(
     engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank, split)
     loader = None
     if training_data is not None:
-        loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
-                                   topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last,
-                                   shuffle=not isinstance(model, PipelineModule))  # DeepSpeed's pipeline reads in order
+        # a curriculum loader under data_efficiency's data-sampling curriculum; DeepSpeed's pipeline reads in order
+        loader = build_training_loader(cfg, topology, training_data, collate_fn,
+                                       shuffle=not isinstance(model, PipelineModule))
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..data_efficiency.engine_surface import DataEfficiencySurface
 from ..distributed import Collectives, Topology
 from ..monitor.reporter import StepFigures
 from ..precision import PrecisionPolicy
@@ -49,7 +50,7 @@ from .step import NonFiniteGradientError, StepResult, take_step
 logger = logging.getLogger(__name__)
 
 
-class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
+class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch.nn.Module):
     def __init__(
         self,
         config: Config,
@@ -120,6 +121,7 @@ class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
+        inputs, kwargs = self._curriculum_inputs(inputs, kwargs)  # the legacy seqlen curriculum's cut
         self._window_tokens += _token_count(inputs, kwargs)
         with self.instruments.forward(self.module, self.global_steps), self._autocast():
             try:
