@@ -129,3 +129,22 @@ def test_refusals() -> None:
     with pytest.raises(CurriculumError, match=r"curriculum_learning: cannot tell which dim of argument "
                        r"attention_mask \(shape \(2, 1, 6, 6\)\) is the sequence of length 6"):
         cut.prepare(model, 0, (torch.zeros(2, 6, dtype=torch.long),), {"attention_mask": torch.ones(2, 1, 6, 6)})
+
+
+def test_compat_curriculum_scheduler_and_analyzer() -> None:
+    import deepspeed
+
+    from tests.reference import is_compat
+
+    if not is_compat(deepspeed):
+        pytest.skip("the real DeepSpeed is installed here; tests/unit/test_deepspeed_parity_curriculum.py compares")
+    from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+    from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer
+
+    from shardwise.data_efficiency import DataAnalyzer as Ours
+
+    s = CurriculumScheduler({"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 2, "max_difficulty": 6,
+                             "schedule_type": "fixed_discrete", "schedule_config": {"difficulty": [2, 6],
+                                                                                    "max_step": [3]}})
+    assert [s.update_difficulty(k) for k in (1, 3, 4, 5)] == [2, 2, 6, 6] and s.get_current_difficulty() == 6
+    assert s.state_dict()["current_difficulty"] == 6 and DataAnalyzer is Ours

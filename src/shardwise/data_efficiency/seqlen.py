@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config.data_efficiency import LegacyCurriculumConfig
+from ..config.data_efficiency import CurriculumSchedule, LegacyCurriculumConfig
 from .schedule import DifficultySchedule
 
 
@@ -34,14 +34,21 @@ class CurriculumError(ValueError):
 
 
 class LegacyCurriculumScheduler:
-    """DeepSpeed's `engine.curriculum_scheduler_legacy`: the difficulty now, and the schedule behind it."""
+    """DeepSpeed's `CurriculumScheduler` API (`engine.curriculum_scheduler_legacy`, and
+    `deepspeed.runtime.data_pipeline.curriculum_scheduler` in compat): built from a typed schedule section or
+    DeepSpeed's section dict. `update_difficulty` keeps DeepSpeed's rule that the difficulty stops changing
+    once it has reached max_difficulty; the engine reads `difficulty(step)` itself, a pure function of the step."""
 
-    def __init__(self, config: LegacyCurriculumConfig):
+    def __init__(self, config: CurriculumSchedule | dict[str, Any]):
+        if isinstance(config, dict):
+            config = CurriculumSchedule.model_validate({k: v for k, v in config.items() if k in _SCHEDULE_KEYS})
+        self.config = config
         self.schedule = DifficultySchedule(config, "curriculum_learning")
         self.current_difficulty = config.min_difficulty
 
     def update_difficulty(self, step: int) -> float:
-        self.current_difficulty = self.schedule.difficulty(step)
+        if self.current_difficulty < self.config.max_difficulty:
+            self.current_difficulty = self.schedule.difficulty(step)
         return self.current_difficulty
 
     def get_difficulty(self, step: int) -> float:
@@ -50,8 +57,23 @@ class LegacyCurriculumScheduler:
     def get_current_difficulty(self) -> float:
         return self.current_difficulty
 
+    def set_current_difficulty(self, difficulty: float) -> None:
+        self.current_difficulty = difficulty
+
     def set_custom_get_difficulty(self, fn: Any) -> None:
         self.schedule.set_custom(fn)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.config.model_dump(exclude_none=True), "current_difficulty": self.current_difficulty}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.current_difficulty = state["current_difficulty"]
+
+
+_SCHEDULE_KEYS = ("min_difficulty", "max_difficulty", "schedule_type", "schedule_config")
 
 
 class SeqlenCurriculum:
@@ -67,7 +89,8 @@ class SeqlenCurriculum:
         """The forward's arguments for training step `global_steps + 1` (unchanged in eval mode)."""
         if not module.training:
             return inputs, kwargs
-        length = int(self.scheduler.update_difficulty(global_steps + 1))
+        length = int(self.scheduler.get_difficulty(global_steps + 1))
+        self.scheduler.set_current_difficulty(length)
         if self.passes_kwarg:
             return inputs, {**kwargs, "curriculum_seqlen": length}
         full = _sequence_length((inputs, kwargs))
