@@ -26,7 +26,7 @@ from .optim.registry import build_optimizer, build_scheduler, check_optimizer, c
 from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
 from .protocols import MakeOptimizer, ParamGroups, StrategyInputs
-from .data_efficiency.engine_surface import build_training_loader
+from .runtime.curriculum_surface import build_training_loader
 from .runtime.data import DistributedLoader
 from .pipeline.module import PipelineModule
 from .runtime.engine import Engine

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..data_efficiency.engine_surface import DataEfficiencySurface
 from ..distributed import Collectives, Topology
 from ..monitor.reporter import StepFigures
 from ..precision import PrecisionPolicy
@@ -43,6 +42,7 @@ from ..protocols import ShardingStrategy
 from ..tensor_parallel import TensorParallelModel, TensorShard
 from . import param_access
 from .call_checks import check_loss, explain_dtype_error
+from .curriculum_surface import DataEfficiencySurface
 from .deepspeed_surface import DeepSpeedSurface
 from .weights_surface import ConsolidatedWeights
 from .step import NonFiniteGradientError, StepResult, take_step

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset
 
-from ..runtime.data import DistributedLoader
-from .loader import CurriculumLoader, PostProcess, curriculum_loader
-from .seqlen import LegacyCurriculumScheduler, SeqlenCurriculum
+from ..data_efficiency.loader import CurriculumLoader, PostProcess, curriculum_loader
+from ..data_efficiency.seqlen import LegacyCurriculumScheduler, SeqlenCurriculum
+from .data import DistributedLoader
 
 
 class DataEfficiencySurface:
