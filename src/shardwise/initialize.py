@@ -121,6 +121,9 @@ def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:
 
 def _check_pipeline(cfg: Config, model: torch.nn.Module) -> None:
     stages = cfg.pipeline.stages
+    if isinstance(model, PipelineModule) and (cfg.curriculum_learning or cfg.data_efficiency.curriculum):
+        raise ConfigError(["curriculum_learning: curriculum learning with a PipelineModule is not supported yet; got "
+                           "a pipeline model. Train without the curriculum, or without pipeline parallelism."])
     if not isinstance(model, PipelineModule):
         if stages not in ("auto", 1):
             raise ConfigError([f"pipeline.stages: {stages} pipeline stages need a PipelineModule model; got a "

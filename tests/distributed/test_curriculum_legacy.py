@@ -78,17 +78,25 @@ class KwargModel(torch.nn.Module):
         return self.inner(tokens[:, :curriculum_seqlen], labels[:, :curriculum_seqlen])
 
 
-def _kwarg() -> list[int]:
+def _kwarg() -> tuple[list[int], str]:
     import shardwise
 
     model = KwargModel()
     engine, _, _, _ = shardwise.initialize(model=model, config=config(0))
     train_steps(engine, 0, 3)
-    return model.lengths
+    try:
+        engine.set_data_post_process_func(lambda batch, state: batch)
+    except ValueError as e:
+        return model.lengths, str(e)
+    return model.lengths, ""
 
 
 def test_a_model_taking_curriculum_seqlen_gets_it() -> None:
-    assert run_distributed(_kwarg, WORLD)[0] == [2, 2, 3, 3, 4, 4]  # steps 1, 2, 3; two micro-batches each
+    lengths, refusal = run_distributed(_kwarg, WORLD)[0]
+    assert lengths == [2, 2, 3, 3, 4, 4]  # steps 1, 2, 3; two micro-batches each
+    # without the data-sampling curriculum nothing would apply a post-process function: refused, not ignored
+    assert refusal.startswith("set_data_post_process_func: the function is applied by the data-sampling "
+                              "curriculum's loader, which is off")
 
 
 def _run(root: str, start: int, steps: int, save: bool) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -76,8 +76,12 @@ class DataEfficiencySurface:
     def set_data_post_process_func(self, post_process_func: PostProcess) -> None:
         """`fn(batch, sampler_state)` applied to every training micro-batch (e.g. to cut a seqlen metric's
         batches to `sampler_state["current_difficulties"]["seqlen"]`)."""
+        if not self.curriculum_learning_enabled():
+            raise ValueError("set_data_post_process_func: the function is applied by the data-sampling curriculum's "
+                             "loader, which is off (data_efficiency.data_sampling.curriculum_learning); apply it in "
+                             "your loop or collate_fn instead, or enable the curriculum.")
         self.__dict__["_post_process"] = post_process_func
-        if self.training_dataloader is not None:
+        if isinstance(self.training_dataloader, CurriculumLoader):
             self.training_dataloader.post_process_func = post_process_func
 
     def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str = "train",
