@@ -80,7 +80,8 @@ class DataCurriculumConfig(Section):
 
     enabled: bool = False
     data_cluster_path: str | None = None
-    curriculum_metrics: dict[str, CurriculumMetricConfig] = Field(default_factory=dict)
+    # `| None` so the JSON schema accepts DeepSpeed's null default; the validator below makes it {} at once
+    curriculum_metrics: dict[str, CurriculumMetricConfig] | None = Field(default_factory=dict)
 
     @field_validator("curriculum_metrics", mode="before")
     @classmethod
@@ -89,6 +90,7 @@ class DataCurriculumConfig(Section):
 
     @model_validator(mode="after")
     def _has_metric(self) -> DataCurriculumConfig:
+        assert self.curriculum_metrics is not None  # the before-validator's {}
         if self.enabled and not self.curriculum_metrics:
             raise ValueError("curriculum_metrics: curriculum learning needs at least one metric; got none. Add a "
                              "metric with its index paths and schedule, or set enabled to false.")
