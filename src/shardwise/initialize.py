@@ -27,6 +27,7 @@ from .optim.registry import build_optimizer, build_scheduler, check_optimizer, c
 from .precision import PrecisionPolicy
 from .precision.autocast import check_autocast
 from .protocols import MakeOptimizer, ParamGroups, StrategyInputs
+from .runtime.curriculum_surface import build_training_loader
 from .runtime.data import DistributedLoader
 from .pipeline.module import PipelineModule
 from .runtime.engine import Engine
@@ -107,10 +108,9 @@ def initialize(
     engine.random_ltd_scheduler = random_ltd
     loader = None
     if training_data is not None:
-        loader = DistributedLoader(training_data, cfg.train_micro_batch_size_per_gpu, topology.data.rank,
-                                   topology.data.size, seed=cfg.seed or 0, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last,
-                                   shuffle=not isinstance(model, PipelineModule))  # DeepSpeed's pipeline reads in order
+        # a curriculum loader under data_efficiency's data-sampling curriculum; DeepSpeed's pipeline reads in order
+        loader = build_training_loader(cfg, topology, training_data, collate_fn,
+                                       shuffle=not isinstance(model, PipelineModule))
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
 
@@ -126,6 +126,9 @@ def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:
 
 def _check_pipeline(cfg: Config, model: torch.nn.Module) -> None:
     stages = cfg.pipeline.stages
+    if isinstance(model, PipelineModule) and (cfg.curriculum_learning or cfg.data_efficiency.curriculum):
+        raise ConfigError(["curriculum_learning: curriculum learning with a PipelineModule is not supported yet; got "
+                           "a pipeline model. Train without the curriculum, or without pipeline parallelism."])
     if not isinstance(model, PipelineModule):
         if stages not in ("auto", 1):
             raise ConfigError([f"pipeline.stages: {stages} pipeline stages need a PipelineModule model; got a "

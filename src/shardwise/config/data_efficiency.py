@@ -90,6 +90,7 @@ class DataCurriculumConfig(Section):
 
     @model_validator(mode="after")
     def _has_metric(self) -> DataCurriculumConfig:
+        assert self.curriculum_metrics is not None  # the before-validator's {}
         if self.enabled and not self.curriculum_metrics:
             raise ValueError("curriculum_metrics: curriculum learning needs at least one metric; got none. Add a "
                              "metric with its index paths and schedule, or set enabled to false.")

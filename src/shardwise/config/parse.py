@@ -129,11 +129,24 @@ def _explain(err: Mapping[str, Any]) -> str:
     if kind == "missing":
         return f"{path}: required; it is missing. Add it to the config."
     if kind == "value_error":
-        return str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+        message = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
+        return _with_path(err["loc"], message)
     if kind == "literal_error":
         return _not_a_choice(path, err["input"], err["ctx"]["expected"])
     msg = err["msg"][0].lower() + err["msg"][1:]
     return f"{path}: {msg}; got {err['input']!r}."
+
+
+def _with_path(loc: tuple[Any, ...], message: str) -> str:
+    """The data-efficiency sections' validator messages name their key relative to the section; give the
+    whole path (`data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen.schedule_config`)."""
+    if not loc or loc[0] not in ("curriculum_learning", "data_efficiency"):
+        return message
+    path = [str(p) for p in loc]
+    key = message.split(":", 1)[0].split(".", 1)[0]
+    if key == path[-1]:
+        path = path[:-1]
+    return ".".join([*path, message]) if path else message
 
 
 def _not_a_choice(path: str, value: Any, expected: str) -> str:

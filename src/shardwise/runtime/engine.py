@@ -42,6 +42,7 @@ from ..protocols import ShardingStrategy
 from ..tensor_parallel import TensorParallelModel, TensorShard
 from . import param_access
 from .call_checks import check_loss, explain_dtype_error
+from .curriculum_surface import DataEfficiencySurface
 from .deepspeed_surface import DeepSpeedSurface
 from .weights_surface import ConsolidatedWeights
 from .step import NonFiniteGradientError, StepResult, take_step
@@ -49,7 +50,7 @@ from .step import NonFiniteGradientError, StepResult, take_step
 logger = logging.getLogger(__name__)
 
 
-class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
+class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch.nn.Module):
     def __init__(
         self,
         config: Config,
@@ -120,6 +121,7 @@ class Engine(DeepSpeedSurface, ConsolidatedWeights, torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
+        inputs, kwargs = self._curriculum_inputs(inputs, kwargs)  # the legacy seqlen curriculum's cut
         self._window_tokens += _token_count(inputs, kwargs)
         if self.random_ltd_scheduler is not None and self.module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps, self.window_micro_steps)

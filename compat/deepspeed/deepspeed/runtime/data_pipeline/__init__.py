@@ -1,6 +1,6 @@
-"""`deepspeed.runtime.data_pipeline`: the data-routing (random-LTD) names scripts import, mapped onto
-`shardwise.data_efficiency`."""
+"""`deepspeed.runtime.data_pipeline`: curriculum learning's scheduler and data analyzer, and the data-routing
+(random-LTD) names scripts import, mapped onto `shardwise.data_efficiency`."""
 
-from . import data_routing
+from . import curriculum_scheduler, data_routing, data_sampling
 
-__all__ = ["data_routing"]
+__all__ = ["curriculum_scheduler", "data_routing", "data_sampling"]
