@@ -1,6 +1,7 @@
 """Block-sparse attention (shardwise.sparse_attention) against dense causal SDPA: time and peak memory.
 
     python benchmarks/sparse_attention.py [--seqs 1024 2048 4096 8192 16384] [--repeats 3] [--device cpu]
+                                          [--backend auto|flex|blocks|sdpa]
 
 For each sequence length, configurations (dense causal SDPA; Fixed and BigBird unidirectional layouts,
 block 64) run in turn, each time in a fresh spawned process, and the whole sweep is repeated
@@ -9,15 +10,15 @@ times `--iters` calls after one warm-up (which also pays flex_attention's compil
 median; the report gives the median over repeats and the spread (min, max).
 
 Two phases: "train" (forward + backward) and "infer" (forward, no gradient). On CPU, torch 2.13's
-flex_attention has no backward, so "train" of the sparse layouts runs SDPA with a dense block mask
-(every score computed, then masked): expect no speed-up there; "infer" runs the compiled flex kernel,
-which computes only the layout's blocks. On CUDA both phases run flex.
+flex_attention has no backward, so "train" of the sparse layouts runs the block gather (plain torch ops
+over the layout's blocks; it holds gathered K/V and probabilities of the kept blocks, not [S, S] scores);
+"infer" runs the compiled flex kernel. Both compute only the layout's blocks. On CUDA both phases run flex.
 
 Memory: CPU: the process's peak RSS minus its RSS before the first call (ru_maxrss, so the whole
-process's peak, inputs excluded); CUDA: torch.cuda.max_memory_allocated minus the inputs. Paths that
-materialise [batch, heads, S, S] scores (dense SDPA's math path on CPU, the SDPA fallback) are skipped,
-with the reason recorded, when their estimate (4 fp32 copies of the scores) exceeds `--memory-cap-gib`:
-at 16k tokens one head's scores are 1 GiB.
+process's peak, inputs excluded); CUDA: torch.cuda.max_memory_allocated minus the inputs. No default
+path materialises [batch, heads, S, S] scores any more (the SDPA fallback with a dense block mask did);
+`--memory-cap-gib` stays for a run that forces that fallback (backend "sdpa"), where 16k tokens cost 1 GiB
+of scores per head.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _run(rank: int, name: str, phase: str, seq: int, args: dict[str, Any]) -> di
         attend = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
         density = 0.5
     else:
-        module = SparseSelfAttention(_sparsity(name, args["heads"], args["block"]), max_seq_length=seq).to(device)
+        module = SparseSelfAttention(_sparsity(name, args["heads"], args["block"]), max_seq_length=seq,
+                                     backend=args["backend"]).to(device)
         attend = lambda: module(q, k, v)  # noqa: E731
         density = float(module.get_layout(seq).float().mean())
 
@@ -85,8 +87,9 @@ def _run(rank: int, name: str, phase: str, seq: int, args: dict[str, Any]) -> di
 
 
 def _skip_reason(name: str, phase: str, seq: int, args: dict[str, Any]) -> str | None:
-    # Dense causal SDPA runs torch's flash kernel on CPU (88 MiB at 4k tokens, measured): no [S,S] scores.
-    materialises = args["device"] == "cpu" and name != "dense_sdpa" and phase == "train"
+    # Dense causal SDPA runs torch's flash kernel on CPU (88 MiB at 4k tokens, measured) and the sparse
+    # layouts train through the block gather: nothing here holds [S,S] scores unless "sdpa" is forced.
+    materialises = args.get("backend") == "sdpa" and name != "dense_sdpa"
     estimate = 4 * args["batch"] * args["heads"] * seq * seq * 4 / 2**30
     if materialises and estimate > args["memory_cap_gib"]:
         return (f"[B,H,S,S] fp32 scores materialised: ~{estimate:.1f} GiB estimated > cap {args['memory_cap_gib']} GiB "
@@ -104,13 +107,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "flex", "blocks", "sdpa"],
+                        help="SparseSelfAttention's backend for the sparse layouts")
     parser.add_argument("--phases", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--memory-cap-gib", type=float, default=24.0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", default=str(RESULTS / "sparse_attention.json"))
     opts = parser.parse_args()
     args = {"batch": opts.batch, "heads": opts.heads, "head_dim": opts.head_dim, "block": opts.block,
-            "device": opts.device, "iters": opts.iters, "memory_cap_gib": opts.memory_cap_gib}
+            "device": opts.device, "backend": opts.backend, "iters": opts.iters, "memory_cap_gib": opts.memory_cap_gib}
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
     for repeat in range(opts.repeats):

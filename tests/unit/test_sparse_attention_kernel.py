@@ -1,6 +1,7 @@
 """SparseSelfAttention's numbers against plain attention written here: softmax(QKᵀ/√d) V with the layout
-expanded to a boolean [S, S] mask. SDPA path: forward and gradients; flex path: forward (torch 2.13's
-flex_attention has no CPU backward; tests/gpu/test_sparse_attention_gpu.py checks its gradients on CUDA)."""
+expanded to a boolean [S, S] mask. SDPA and block-gather paths: forward and gradients; flex path: forward
+(torch 2.13's flex_attention has no CPU backward; tests/gpu/test_sparse_attention_gpu.py checks its
+gradients on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardwise.sparse_attention import kernel
+from shardwise.sparse_attention.block_gather import bucket_width, build_plan
 from shardwise.sparse_attention import (BigBirdSparsityConfig, BSLongformerSparsityConfig, DenseSparsityConfig,
                                         FixedSparsityConfig, SparseAttentionInputError, SparseSelfAttention,
                                         VariableSparsityConfig)
@@ -36,13 +39,16 @@ def plain_attention(q, k, v, layout, block, causal, bias=None, keep=None):
     return probs @ v
 
 
-def configs(attention):
+def configs(attention, per_head=False):
+    """`per_head`: each head its own layout (random blocks differ per head; fixed gets two global patterns)."""
+    common = {"block": BLOCK, "attention": attention, "different_layout_per_head": per_head}
     return {
-        "fixed": FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2, attention=attention),
-        "bigbird": BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1, attention=attention),
-        "variable": VariableSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1, local_window_blocks=[1, 3],
-                                           global_block_indices=[2], attention=attention),
-        "bslongformer": BSLongformerSparsityConfig(HEADS, block=BLOCK, global_block_indices=[1], attention=attention),
+        "fixed": FixedSparsityConfig(HEADS, num_local_blocks=2, num_different_global_patterns=2 if per_head else 1,
+                                     **common),
+        "bigbird": BigBirdSparsityConfig(HEADS, num_random_blocks=1, **common),
+        "variable": VariableSparsityConfig(HEADS, num_random_blocks=1, local_window_blocks=[1, 3],
+                                           global_block_indices=[2], **common),
+        "bslongformer": BSLongformerSparsityConfig(HEADS, global_block_indices=[1], **common),
     }
 
 
@@ -54,12 +60,13 @@ def grads_close(out, ref, inputs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "blocks"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_equals_sdpa_forward_and_gradients(causal):
+def test_dense_equals_sdpa_forward_and_gradients(causal, backend):
     q, k, v = qkv()
     attention = "unidirectional" if causal else "bidirectional"
     out = SparseSelfAttention(DenseSparsityConfig(HEADS, block=BLOCK, attention=attention), max_seq_length=SEQ,
-                              backend="sdpa")(q, k, v)
+                              backend=backend)(q, k, v)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     grads_close(out, ref, (q, k, v))
@@ -69,11 +76,13 @@ def test_dense_equals_sdpa_forward_and_gradients(causal):
     torch.testing.assert_close(flex, ref.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "blocks"])
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("attention", ["bidirectional", "unidirectional"])
 @pytest.mark.parametrize("mode", ["fixed", "bigbird", "variable", "bslongformer"])
-def test_sparse_modes_equal_plain_masked_attention_sdpa(mode, attention):
-    config = configs(attention)[mode]
-    module = SparseSelfAttention(config, max_seq_length=64, backend="sdpa")
+def test_sparse_modes_equal_plain_masked_attention(mode, attention, per_head, backend):
+    config = configs(attention, per_head)[mode]
+    module = SparseSelfAttention(config, max_seq_length=64, backend=backend)
     layout = config.make_layout(64)[:, :SEQ // BLOCK, :SEQ // BLOCK]  # DeepSpeed cuts the max-length layout
     assert 0 < layout.float().mean() < 1
     q, k, v = qkv(1)
@@ -94,7 +103,7 @@ def test_sparse_modes_equal_plain_masked_attention_flex(attention):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=mode)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "blocks"])
 def test_masks_modes_and_fully_masked_rows_give_zero(backend):
     config = FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2)
     q, k, v = qkv(3)
@@ -107,7 +116,7 @@ def test_masks_modes_and_fully_masked_rows_give_zero(backend):
                                  backend=backend)
     keep = (padding != 0)[:, None, None, :]
     ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False, bias=attn_add + rpe, keep=keep)
-    grad = torch.is_grad_enabled() and backend == "sdpa"
+    grad = backend != "flex"
     with torch.set_grad_enabled(grad):
         out = module(q, k, v, rpe=rpe, key_padding_mask=padding, attn_mask=attn_add)
     torch.testing.assert_close(out, ref.detach() if not grad else ref, atol=1e-5, rtol=1e-5)
@@ -118,16 +127,35 @@ def test_masks_modes_and_fully_masked_rows_give_zero(backend):
         grads_close(out, ref, (q, k, v))
 
 
-def test_add_mode_padding_and_mul_mode_attn_mask():
+@pytest.mark.parametrize("backend", ["sdpa", "blocks"])
+def test_add_mode_padding_and_mul_mode_attn_mask(backend):
     config = BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=0)
     q, k, v = qkv(4)
     padding = torch.zeros(2, 1, 1, SEQ)  # HF's extended shape is accepted
     padding[..., -3:] = -10000.0
     causal = torch.ones(SEQ, SEQ).tril()  # "mul": zeros drop
-    out = SparseSelfAttention(config, max_seq_length=SEQ, backend="sdpa")(q, k, v, key_padding_mask=padding,
-                                                                         attn_mask=causal)
+    out = SparseSelfAttention(config, max_seq_length=SEQ, backend=backend)(q, k, v, key_padding_mask=padding,
+                                                                          attn_mask=causal)
     ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False, bias=padding, keep=causal.bool())
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads_close(out, ref, (q, k, v))
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "unidirectional"])
+def test_blocks_per_head_masks_and_learned_bias_gradient(attention):
+    """Per-head layouts with per-sample, per-head masks: each (sample, head) gathers its own mask blocks;
+    a bias that wants a gradient (a learned rpe) gets the same one as through SDPA."""
+    config = configs(attention, per_head=True)["bigbird"]
+    q, k, v = qkv(6)
+    g = torch.Generator().manual_seed(7)
+    rpe = torch.randn(HEADS, SEQ, SEQ, generator=g, requires_grad=True)
+    attn_mask = torch.rand(2, HEADS, SEQ, SEQ, generator=g) > 0.3  # "mul": False drops
+    attn_mask[0, 1, 5] = False  # one row with nothing left
+    outs = [SparseSelfAttention(config, max_seq_length=SEQ, backend=backend)(q, k, v, rpe=rpe, attn_mask=attn_mask)
+            for backend in ("blocks", "sdpa")]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][0, 1, 5], torch.zeros(DIM))
+    grads_close(outs[0], outs[1], (q, k, v, rpe))
 
 
 def test_sequence_not_a_multiple_of_block_names_pad_to_block_size():
@@ -142,11 +170,40 @@ def test_sequence_not_a_multiple_of_block_names_pad_to_block_size():
         module(*[torch.randn(1, 3, 32, DIM)] * 3)
 
 
-def test_flex_refuses_to_train_on_cpu_and_auto_falls_back_to_sdpa():
+def test_flex_refuses_to_train_on_cpu_and_auto_trains_through_the_block_gather(monkeypatch):
     q, k, v = qkv(5)
     config = FixedSparsityConfig(HEADS, block=BLOCK, num_local_blocks=2)
     with pytest.raises(ValueError, match="backend: \"flex\" cannot train on CPU"):
         SparseSelfAttention(config, max_seq_length=SEQ, backend="flex")(q, k, v)
+
+    def no_dense_mask(*args, **kwargs):
+        raise AssertionError("the dense-mask SDPA path ran")
+
+    monkeypatch.setattr(kernel, "sdpa_path", no_dense_mask)  # "auto" must not build the [S, S] mask
+    monkeypatch.setattr(kernel, "layout_mask", no_dense_mask)
     out = SparseSelfAttention(config, max_seq_length=SEQ, backend="auto")(q, k, v)
-    out.sum().backward()
-    assert q.grad is not None
+    ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads_close(out, ref, (q, k, v))
+
+
+def test_auto_picks_per_device_and_need_of_gradients():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernel.choose_backend("auto", cpu, grad=True) == "blocks"
+    assert kernel.choose_backend("auto", cpu, grad=True, dense=True) == "sdpa"  # torch's own kernel: no [S, S]
+    assert kernel.choose_backend("auto", cpu, grad=False) == "flex"
+    assert kernel.choose_backend("auto", cuda, grad=True) == "flex"
+    assert kernel.choose_backend("sdpa", cpu, grad=True) == "sdpa"
+    assert kernel.choose_backend("blocks", cuda, grad=False) == "blocks"
+
+
+def test_block_plan_groups_rows_by_width_and_shares_one_layout_across_heads():
+    layout = torch.zeros(3, 8, 8, dtype=torch.long)
+    layout[:, :, 0] = 1  # a global column
+    layout[:, 0, :] = 1  # a global row: 8 blocks, the others 1 (row 0) or 2 (diagonal)
+    layout[:, torch.arange(8), torch.arange(8)] = 1
+    plan = build_plan(layout, block=2, causal=False)
+    assert plan.groups == 1 and [tuple(b.key_blocks.shape) for b in plan.buckets] == [(7, 2), (1, 8)]
+    assert [bucket_width(c) for c in (0, 1, 7, 8, 9, 15, 17, 33)] == [1, 1, 7, 8, 10, 16, 20, 40]
+    layout[1, 3, 5] = 1
+    assert build_plan(layout, block=2, causal=False).groups == 3

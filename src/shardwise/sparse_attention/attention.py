@@ -1,10 +1,11 @@
-"""`SparseSelfAttention`: DeepSpeed's block-sparse self-attention module, on flex_attention or SDPA.
+"""`SparseSelfAttention`: DeepSpeed's block-sparse self-attention module, on flex_attention, a block gather
+or SDPA.
 
 softmax(Q Kᵀ / √d + rpe + masks) V over the blocks the layout keeps; queries attend inside their own
 diagonal block only to earlier keys when the layout is unidirectional. The layout is built once for
 `max_seq_length` and cut to each sequence's block count, as DeepSpeed does, so a shorter sequence sees
-the top-left corner of the long layout. The BlockMask (flex) is built once per (sequence length, device)
-and kept. See kernel.py for which path runs when.
+the top-left corner of the long layout. The BlockMask (flex) and the BlockPlan (block gather) are built
+once per (sequence length, device) and kept. See kernel.py for which path runs when.
 
 Masks follow DeepSpeed's modes: "mul" treats the mask as keep (nonzero) / drop (zero); "add" adds its
 values to the scores (e.g. 0 / -10000, or -inf). `key_padding_mask` is [batch, seq] (extra middle
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config.notes import note_once
-from . import kernel
+from . import block_gather, kernel
 from .layouts import SparsityConfig
 
 logger = logging.getLogger("shardwise.sparse_attention")
@@ -53,6 +54,7 @@ class SparseSelfAttention(nn.Module):
         self.causal = getattr(sparsity_config, "attention", "bidirectional") == "unidirectional"
         self.dense = bool(self.master_layout.all())
         self._block_masks: dict[tuple[int, torch.device], object] = {}
+        self._block_plans: dict[tuple[int, torch.device], block_gather.BlockPlan] = {}
         self._flex_failed: str | None = None
 
     def get_layout(self, seq_len: int) -> torch.Tensor:
@@ -79,7 +81,9 @@ class SparseSelfAttention(nn.Module):
         layout = self.get_layout(seq_len)
         masks = self._masks(query, rpe, key_padding_mask, attn_mask)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        path = kernel.choose_backend(self.backend, query.device, kernel.needs_grad(query, key, value))
+        path = kernel.choose_backend(self.backend, query.device, kernel.needs_grad(query, key, value), self.dense)
+        if path == "blocks":
+            return block_gather.block_gather_path(query, key, value, self._block_plan(layout, seq_len), masks, scale)
         if path == "flex" and self._flex_failed is None:
             try:
                 out = kernel.flex_path(query, key, value, self._block_mask(layout, seq_len), masks, scale)
@@ -110,6 +114,12 @@ class SparseSelfAttention(nn.Module):
             self._block_masks[cache_key] = kernel.block_mask_from_layout(
                 layout, self.sparsity_config.block, self.causal, seq_len)
         return self._block_masks[cache_key]
+
+    def _block_plan(self, layout: torch.Tensor, seq_len: int) -> block_gather.BlockPlan:
+        cache_key = (seq_len, layout.device)
+        if cache_key not in self._block_plans:
+            self._block_plans[cache_key] = block_gather.build_plan(layout, self.sparsity_config.block, self.causal)
+        return self._block_plans[cache_key]
 
     def _masks(self, query: torch.Tensor, rpe: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
                attn_mask: torch.Tensor | None) -> kernel.Masks:

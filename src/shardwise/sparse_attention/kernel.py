@@ -1,15 +1,18 @@
-"""The attention computation over a block layout, two ways: `flex_attention` with a `BlockMask` (only the
-layout's blocks are computed), or `F.scaled_dot_product_attention` with the layout expanded to a dense
+"""The attention computation over a block layout, three ways: `flex_attention` with a `BlockMask` (only the
+layout's blocks are computed, compiled), a block gather in plain torch ops (block_gather.py: only the
+layout's blocks, with autograd), or `F.scaled_dot_product_attention` with the layout expanded to a dense
 boolean [S, S] mask (every score is computed, then masked).
 
 [Note: flex or SDPA] flex_attention runs compiled (`torch.compile`; on CPU inductor builds C++ with the
 system compiler). In torch 2.13 it has no backward on CPU ("FlexAttention does not support backward on
-CPU"), so on CPU "auto" trains through SDPA and uses flex only when no gradient is needed; on CUDA it
-always uses flex. A flex compile that fails (no C++ compiler, an inductor error) falls back to SDPA in
-"auto" and raises in "flex". Both give the same numbers (tests/unit/test_sparse_attention_kernel.py).
+CPU"), so on CPU "auto" trains through the block gather ("blocks") and uses flex only when no gradient
+is needed; on CUDA it always uses flex. A dense layout (every block kept) trains through SDPA instead
+(without caller masks that is torch's own kernel, which holds no [S, S] scores). A flex compile that fails (no C++ compiler, an inductor
+error) falls back to SDPA in "auto" and raises in "flex". "blocks" and "sdpa" run on any device when asked
+for by name. All three give the same numbers (tests/unit/test_sparse_attention_kernel.py).
 
 [Note: empty rows] A query that may attend to no key at all (a padded row, a row masked out by the
-caller) gets an output of 0 on both paths, as flex_attention gives; SDPA alone would give nan there,
+caller) gets an output of 0 on every path, as flex_attention gives; SDPA alone would give nan there,
 and nan gradients with it, so those rows are unmasked for SDPA and their output replaced by 0.
 """
 
@@ -28,8 +31,8 @@ from ..config.notes import note_once
 
 logger = logging.getLogger("shardwise.sparse_attention")
 
-Backend = Literal["auto", "flex", "sdpa"]
-BACKENDS = ("auto", "flex", "sdpa")
+Backend = Literal["auto", "flex", "blocks", "sdpa"]
+BACKENDS = ("auto", "flex", "blocks", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -55,17 +58,19 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def choose_backend(backend: Backend, device: torch.device, grad: bool) -> str:
-    """The path a call takes; see [Note: flex or SDPA]."""
-    if backend == "sdpa":
-        return "sdpa"
+def choose_backend(backend: Backend, device: torch.device, grad: bool, dense: bool = False) -> str:
+    """The path a call takes ("flex", "blocks" or "sdpa"); see [Note: flex or SDPA]."""
+    if backend in ("sdpa", "blocks"):
+        return backend
     if device.type == "cpu" and grad:
         if backend == "flex":
             raise ValueError("backend: \"flex\" cannot train on CPU (torch's flex_attention has no CPU backward); got "
-                             "a call that needs gradients. Use backend \"auto\" or \"sdpa\" on CPU.")
-        note_once(logger, logging.INFO, "sparse attention: SDPA with a dense block mask runs (training on CPU, where "
+                             "a call that needs gradients. Use backend \"auto\", \"blocks\" or \"sdpa\" on CPU.")
+        if dense:
+            return "sdpa"
+        note_once(logger, logging.INFO, "sparse attention: the block gather runs (training on CPU, where "
                   "flex_attention has no backward).")
-        return "sdpa"
+        return "blocks"
     return "flex"
 
 
