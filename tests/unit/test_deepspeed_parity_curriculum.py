@@ -1,5 +1,5 @@
 """Our difficulty schedules (and the compat CurriculumScheduler's API) against DeepSpeed's CurriculumScheduler,
-value for value. Skips without the real DeepSpeed (tests/reference.py); `make test-deepspeed` runs it against
+and random-LTD's kept-token schedule and layer-token count against its RandomLTDScheduler, value for value. Skips without the real DeepSpeed (tests/reference.py); `make test-deepspeed` runs it against
 deepspeed==0.19.8."""
 
 from __future__ import annotations
@@ -42,3 +42,30 @@ def test_custom_schedule_same_as_deepspeed() -> None:
     for s in (theirs, ours):
         s.set_custom_get_difficulty(lambda step: min(9, 2 + step // 3))
     assert [ours.update_difficulty(s) for s in STEPS] == [theirs.update_difficulty(s) for s in STEPS]
+
+
+def _random_ltd_section(min_value: int, max_value: int, require_steps: int, seq_per_step: int) -> dict:
+    return {"enabled": True, "total_layer_num": 6, "random_ltd_layer_num": 4, "random_ltd_layer_id": [1, 2, 3, 4],
+            "model_mask_name": "attention_mask", "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+            "random_ltd_schedule": {"min_value": min_value, "max_value": max_value, "schedule_type": "fixed_linear",
+                                    "schedule_config": {"require_steps": require_steps, "seq_per_step": seq_per_step}},
+            "layer_token_lr_schedule": {"enabled": False}}
+
+
+@pytest.mark.parametrize("values", [(16, 128, 20, 16), (10, 70, 13, 8), (64, 64, 5, 64)], ids=str)
+def test_random_ltd_kept_tokens_and_layer_tokens_as_deepspeed(values: tuple[int, int, int, int]) -> None:
+    from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler as Theirs
+
+    from shardwise.config.data_efficiency import RandomLTDConfig
+    from shardwise.data_efficiency.random_ltd import RandomLTDScheduler
+
+    section = _random_ltd_section(*values)
+    theirs = Theirs({**section, "global_batch_size": 8, "micro_batch_size": 2})
+    ours = RandomLTDScheduler(RandomLTDConfig(**section), seed=0, dp_rank=0, global_batch_size=8)
+    for step in [*range(0, 30), 100]:
+        theirs.update_seq(step)
+        ours.update_seq(step)
+        assert ours.get_current_seq() == theirs.get_current_seq(), step
+    # DeepSpeed sums layer tokens step by step as it is shown them; ours computes the sum from the step count.
+    fresh = Theirs({**section, "global_batch_size": 8, "micro_batch_size": 2})
+    assert ours.get_total_layer_tokens(30) == fresh.get_total_layer_tokens(30)
