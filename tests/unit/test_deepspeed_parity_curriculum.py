@@ -1,6 +1,6 @@
 """Our difficulty schedules (and the compat CurriculumScheduler's API) against DeepSpeed's CurriculumScheduler,
-and random-LTD's kept-token schedule and layer-token count against its RandomLTDScheduler, value for value. Skips without the real DeepSpeed (tests/reference.py); `make test-deepspeed` runs it against
-deepspeed==0.19.8."""
+and random-LTD's kept-token schedule and layer-token count against its RandomLTDScheduler, value for value.
+Skips without the real DeepSpeed (tests/reference.py); `make test-deepspeed` runs it against deepspeed==0.19.8."""
 
 from __future__ import annotations
 
