@@ -187,6 +187,27 @@ def test_flex_refuses_to_train_on_cpu_and_auto_trains_through_the_block_gather(m
     grads_close(out, ref, (q, k, v))
 
 
+def test_a_flex_that_cannot_compile_falls_back_to_the_block_gather(monkeypatch, caplog):
+    q, k, v = (t.detach() for t in qkv(6))
+    config = BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InductorError: no C++ compiler")
+
+    def no_dense_mask(*args, **kwargs):
+        raise AssertionError("the dense-mask SDPA path ran")
+
+    monkeypatch.setattr(kernel, "flex_path", no_compiler)
+    monkeypatch.setattr(kernel, "sdpa_path", no_dense_mask)
+    with caplog.at_level("WARNING", logger="shardwise"):
+        out = SparseSelfAttention(config, max_seq_length=SEQ, backend="auto")(q, k, v)  # inference: flex first
+    torch.testing.assert_close(out, plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, False), atol=1e-5, rtol=1e-5)
+    assert any("flex_attention could not run (RuntimeError: InductorError: no C++ compiler); the block gather runs "
+               "instead" in m for m in caplog.messages), caplog.messages
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):  # asked for by name: no fallback
+        SparseSelfAttention(config, max_seq_length=SEQ, backend="flex")(q, k, v)
+
+
 def test_auto_picks_per_device_and_need_of_gradients():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert kernel.choose_backend("auto", cpu, grad=True) == "blocks"

@@ -94,7 +94,9 @@ class SparseSelfAttention(nn.Module):
                     raise
                 self._flex_failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 note_once(logger, logging.WARNING, "sparse attention: flex_attention could not run "
-                          f"({self._flex_failed}); SDPA with a dense block mask runs instead.")
+                          f"({self._flex_failed}); the block gather runs instead.")
+        if path == "flex" and not self.dense:  # flex failed: the block gather still computes only the layout's blocks
+            return block_gather.block_gather_path(query, key, value, self._block_plan(layout, seq_len), masks, scale)
         keep = None if self.dense else kernel.layout_mask(layout, self.sparsity_config.block, self.causal)
         return kernel.sdpa_path(query, key, value, keep, self.causal, masks, scale)
 

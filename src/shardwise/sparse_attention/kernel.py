@@ -7,9 +7,9 @@ boolean [S, S] mask (every score is computed, then masked).
 system compiler). In torch 2.13 it has no backward on CPU ("FlexAttention does not support backward on
 CPU"), so on CPU "auto" trains through the block gather ("blocks") and uses flex only when no gradient
 is needed; on CUDA it always uses flex. A dense layout (every block kept) trains through SDPA instead
-(without caller masks that is torch's own kernel, which holds no [S, S] scores). A flex compile that fails (no C++ compiler, an inductor
-error) falls back to SDPA in "auto" and raises in "flex". "blocks" and "sdpa" run on any device when asked
-for by name. All three give the same numbers (tests/unit/test_sparse_attention_kernel.py).
+(without caller masks that is torch's own kernel, which holds no [S, S] scores). A flex compile that
+fails (no C++ compiler, an inductor error) falls back in "auto" to the block gather (SDPA for a dense
+layout) and raises in "flex". "blocks" and "sdpa" run on any device when asked for by name. All three give the same numbers (tests/unit/test_sparse_attention_kernel.py).
 
 [Note: empty rows] A query that may attend to no key at all (a padded row, a row masked out by the
 caller) gets an output of 0 on every path, as flex_attention gives; SDPA alone would give nan there,
