@@ -228,3 +228,38 @@ def test_block_plan_groups_rows_by_width_and_shares_one_layout_across_heads():
     assert [bucket_width(c) for c in (0, 1, 7, 8, 9, 15, 17, 33)] == [1, 1, 7, 8, 10, 16, 20, 40]
     layout[1, 3, 5] = 1
     assert build_plan(layout, block=2, causal=False).groups == 3
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the storages autograd saves for the backward while `fn` runs its forward (a storage saved
+    several times, as the inputs are by every chunk, counts once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_training_recomputes_chunk_by_chunk_instead_of_saving_the_gathered_blocks(monkeypatch):
+    from shardwise.sparse_attention import block_gather
+
+    q, k, v = qkv(8)
+    bias = torch.randn(1, HEADS, SEQ, SEQ, requires_grad=True)
+    config = BigBirdSparsityConfig(HEADS, block=BLOCK, num_random_blocks=1, attention="unidirectional")
+    module = SparseSelfAttention(config, max_seq_length=SEQ, backend="blocks")
+    ref = plain_attention(q, k, v, config.make_layout(SEQ), BLOCK, True, bias=bias)
+    whole = _saved_bytes(lambda: module(q, k, v, rpe=bias))  # chunks of 64 MiB: one chunk per row group here
+    monkeypatch.setattr(block_gather, "CHUNK_BYTES", 1)  # one query block row per chunk
+    chunked = _saved_bytes(lambda: module(q, k, v, rpe=bias))
+    out = module(q, k, v, rpe=bias)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads_close(out, ref, (q, k, v, bias))
+    # Saved: the inputs' views and each chunk's small index tensors, not the gathered K/V and probabilities
+    # (which, with every group under checkpointing, are recomputed in the backward).
+    gathered = 3 * 2 * HEADS * SEQ * 5 * BLOCK * DIM * 4  # K, V and probabilities of up to 5 kept blocks per row
+    assert chunked < gathered / 4, (chunked, gathered)
+    assert whole < gathered / 4, (whole, gathered)
