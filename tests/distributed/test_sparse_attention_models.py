@@ -22,6 +22,17 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(3, VOCAB, (WORLD * MICRO, SEQ), generator=g) for _ in range(STEPS)]
 
 
+def _steps(engine, ids: list[torch.Tensor]) -> list[float]:
+    rank, losses = torch.distributed.get_rank(), []
+    for batch in ids:
+        mine = batch[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train(rank_model_kind: str, section: dict) -> list[float]:
     import shardwise
 
@@ -30,15 +41,7 @@ def _train(rank_model_kind: str, section: dict) -> list[float]:
               "optimizer": {"type": "SGD", "params": {"lr": LR}}}
     engine, *_ = shardwise.initialize(model=model, config=config)
     assert model.config._attn_implementation.startswith("shardwise_sparse_")
-    rank = torch.distributed.get_rank()
-    losses = []
-    for ids in batches():
-        mine = ids[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return _steps(engine, batches())
 
 
 def masked_attention(layout: torch.Tensor, block: int):
@@ -150,17 +153,6 @@ def _sparse_engine(stage: int, seed: int = 0):
               "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, *_ = shardwise.initialize(model=model, config=config)
     return engine
-
-
-def _steps(engine, ids: list[torch.Tensor]) -> list[float]:
-    rank, losses = torch.distributed.get_rank(), []
-    for batch in ids:
-        mine = batch[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:

@@ -88,8 +88,11 @@ class RandomLTDScheduler:
         total = self.total_layer_num if self.total_layer_num is not None else (self.config.total_layer_num or ltd)
         full = self.schedule.max_value * (total - ltd)
         kept, step = 0, 0
-        while step < steps and kept_tokens(self.schedule, step) < self.schedule.max_value:  # rising, then max
-            kept, step = kept + kept_tokens(self.schedule, step), step + 1
+        while step < steps:  # the count rises to max_value, then stays there
+            now = kept_tokens(self.schedule, step)
+            if now >= self.schedule.max_value:
+                break
+            kept, step = kept + now, step + 1
         kept += self.schedule.max_value * (steps - step)
         return self.global_batch_size * (kept * ltd + full * steps)
 

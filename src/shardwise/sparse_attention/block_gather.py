@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .kernel import Masks
+from .kernel import Masks, needs_grad
 
 
 CHUNK_BYTES = 16 * 2**20
@@ -145,8 +145,7 @@ def block_gather_path(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     lead = (batch, heads // plan.groups)
     flat = (*lead, plan.groups * plan.num_blocks, plan.block, dim)
     q, k, v = (t.reshape(flat) for t in (query, key, value))
-    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
-                                         or (masks.bias is not None and masks.bias.requires_grad))):
+    if not needs_grad(query, key, value, *([masks.bias] if masks.bias is not None else [])):
         outs = [_bucket_attention(q, k, v, plan, bucket, masks, scale, heads) for bucket in plan.buckets]
     else:
         outs = [checkpoint(_bucket_attention, q, k, v, plan, chunk, masks, scale, heads, use_reentrant=False)

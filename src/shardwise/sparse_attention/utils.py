@@ -82,10 +82,8 @@ class SparseAttentionUtils:
             inputs_embeds = torch.cat([inputs_embeds, model_embeddings(ids)], dim=1)
         if attention_mask is None:
             attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=reference.device)
-        if position_ids is not None:
-            position_ids = nn.functional.pad(position_ids, (0, pad_len), value=pad_token_id)
-        return (pad_len, pad(input_ids, pad_token_id), pad(attention_mask, 0), pad(token_type_ids, 0), position_ids,
-                inputs_embeds)
+        return (pad_len, pad(input_ids, pad_token_id), pad(attention_mask, 0), pad(token_type_ids, 0),
+                pad(position_ids, pad_token_id), inputs_embeds)
 
     @staticmethod
     def unpad_sequence_output(pad_len: int, sequence_output: torch.Tensor) -> torch.Tensor:
