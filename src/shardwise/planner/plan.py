@@ -1,0 +1,114 @@
+"""Per-rank peak memory of a training config, by parts (see [Note: the planner's model]).
+
+[Note: the planner's model] With Ψ trainable and Φ frozen elements, N data-parallel ranks, P bytes per
+parameter in the training dtype (2 under fp16/bf16, else 4) and Adam's two fp32 moments:
+- model states follow ZeRO's formula (profiling/memory.py): parameters PΨ (PΨ/N at stage 3), gradients PΨ
+  (PΨ/N from stage 2), fp32 master copies 4Ψ when parameters are 16-bit and optimizer state 8Ψ (both /N
+  from stage 1). Offloading moves masters and state (offload_optimizer) or stage 3's slices (offload_param)
+  to host memory, or to disk for nvme, which then keeps only its swap buffers in host memory;
+- gradient staging: from stage 2 a gradient lives whole until its bucket is reduced into the rank's slice,
+  so up to `reduce_bucket_size` elements (at most Ψ) are held beside the slices;
+- ZeRO-3's window: the parameters gathered whole at once, at most `stage3_max_live_parameters`, at least
+  the largest module, plus the prefetch bucket;
+- activations: the traced micro-batch's saved bytes scaled to the config's micro-batch.
+The peak is the sum: activations are live from the end of forward through backward, when the gradients,
+the staging and the window are also live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..config import Config
+from ..config.parse import parse_config
+from ..profiling.table import render_table
+from ..profiling.units import binary_bytes
+from .shape import ActivationProfile, ModelShape
+
+_ADAM_STATE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parts: tuple[Part, ...]
+    world: int
+    summary: str
+    """One line naming the config: stage, dtype, offload, micro-batch."""
+
+    @property
+    def peak_device(self) -> int:
+        return sum(p.device for p in self.parts)
+
+    @property
+    def peak_host(self) -> int:
+        return sum(p.host for p in self.parts)
+
+    @property
+    def peak_total(self) -> int:
+        """Device and host together: what one allocator holds when the device is the CPU."""
+        return self.peak_device + self.peak_host
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def table(self, title: str | None = None) -> str:
+        rows = [[p.name.replace("_", " "), binary_bytes(p.device), binary_bytes(p.host),
+                 binary_bytes(p.disk) if p.disk else ""] for p in self.parts]
+        rows.append(["peak per rank", binary_bytes(self.peak_device), binary_bytes(self.peak_host), ""])
+        return render_table(title or f"Planned memory per rank: {self.summary}", ["Part", "Device", "Host", "Disk"], rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"summary": self.summary, "world": self.world, "peak_device": self.peak_device,
+                "peak_host": self.peak_host, "parts": {p.name: {"device": p.device, "host": p.host, "disk": p.disk}
+                                                       for p in self.parts}}
+
+
+def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
+         activations: ActivationProfile | None = None, seq_len: int | None = None) -> MemoryPlan:
+    """The per-rank peak of training a model of `shape` with `config` on `world` data-parallel ranks."""
+    cfg = config if isinstance(config, Config) else parse_config(dict(config), dp_size=world)
+    zero = cfg.zero_optimization
+    stage, n = zero.stage, world
+    width = 2 if (cfg.fp16.enabled or cfg.bf16.enabled) else 4
+    psi, phi = shape.trainable, shape.frozen
+    parts = [
+        _where("parameters", width * (psi + phi) // (n if stage == 3 else 1),
+               zero.offload_param.device if stage == 3 else "none"),
+        Part("gradients", device=width * psi // (n if stage >= 2 else 1)),
+        _where("master_weights", (4 * psi if width == 2 else 0) // (n if stage >= 1 else 1),
+               zero.offload_optimizer.device),
+        _where("optimizer_state", _ADAM_STATE_BYTES * psi // (n if stage >= 1 else 1), zero.offload_optimizer.device),
+        Part("gradient_staging", device=width * min(zero.reduce_bucket_size, psi) if stage >= 2 else 0),
+        Part("zero3_window", device=width * _window(shape, cfg) if stage == 3 else 0),
+        Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len)
+             if activations else 0),
+    ]
+    offload = [o for o in ("offload_optimizer", "offload_param") if getattr(zero, o).device != "none"]
+    summary = (f"ZeRO {stage}, {'fp32' if width == 4 else 'fp16' if cfg.fp16.enabled else 'bf16'}, "
+               f"micro-batch {cfg.train_micro_batch_size_per_gpu}, {n} rank(s)"
+               + "".join(f", {o}={getattr(zero, o).device}" for o in offload))
+    return MemoryPlan(tuple(parts), n, summary)
+
+
+def _where(name: str, nbytes: int, device: str) -> Part:
+    if device == "cpu":
+        return Part(name, host=nbytes)
+    if device == "nvme":
+        return Part(name, disk=nbytes)
+    return Part(name, device=nbytes)
+
+
+def _window(shape: ModelShape, cfg: Config) -> int:
+    zero = cfg.zero_optimization
+    largest = max(shape.module_sizes, default=shape.total)
+    return min(max(zero.stage3_max_live_parameters, largest), shape.total) + min(zero.stage3_prefetch_bucket_size,
+                                                                                   shape.total)
