@@ -40,7 +40,7 @@ class AllocationMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        return time.monotonic_ns()
+        return time.time_ns()
 
     def stop(self) -> None:
         if self._profile is None:
@@ -58,7 +58,7 @@ class AllocationMeter:
         if self._records is None:
             raise RuntimeError("AllocationMeter.peak_since: stop() the meter first; the profiler's records are "
                                "read when it stops.")
-        # Profiler times are CLOCK_MONOTONIC nanoseconds on Linux, the clock time.monotonic_ns reads.
+        # The profiler stamps its records in wall-clock nanoseconds since the epoch, as time.time_ns reads.
         live, peak = self.baseline, None
         for at, nbytes in self._records:
             if at >= mark and peak is None:

@@ -24,6 +24,7 @@ from ..config import Config
 from ..config.parse import parse_config
 from ..profiling.table import render_table
 from ..profiling.units import binary_bytes
+from ..zero.grad_buckets import MAX_IN_FLIGHT, OVERLAP_BUCKET_BYTES
 from .shape import ActivationProfile, ModelShape
 
 _ADAM_STATE_BYTES = 8
@@ -79,15 +80,16 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
     zero = cfg.zero_optimization
     stage, n = zero.stage, world
     width = 2 if (cfg.fp16.enabled or cfg.bf16.enabled) else 4
-    psi, phi = shape.trainable, shape.frozen
+    grad_width = 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
+    psi = shape.trainable
+    opt_home, shard = zero.offload_optimizer.device, (n if stage >= 1 else 1)
+    masters = 4 * psi // shard if width == 2 or opt_home != "none" else 0
     parts = [
-        _where("parameters", width * (psi + phi) // (n if stage == 3 else 1),
-               zero.offload_param.device if stage == 3 else "none"),
-        Part("gradients", device=width * psi // (n if stage >= 2 else 1)),
-        _where("master_weights", (4 * psi if width == 2 else 0) // (n if stage >= 1 else 1),
-               zero.offload_optimizer.device),
-        _where("optimizer_state", _ADAM_STATE_BYTES * psi // (n if stage >= 1 else 1), zero.offload_optimizer.device),
-        Part("gradient_staging", device=width * min(zero.reduce_bucket_size, psi) if stage >= 2 else 0),
+        *_parameters(shape, cfg, n, width),
+        Part("gradients", device=grad_width * psi // (n if stage >= 2 else 1)),
+        _where("master_weights", masters, opt_home),
+        _where("optimizer_state", _ADAM_STATE_BYTES * psi // shard, opt_home),
+        Part("gradient_staging", device=grad_width * _staging(shape, cfg)),
         Part("zero3_window", device=width * _window(shape, cfg) if stage == 3 else 0),
         Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len)
              if activations else 0),
@@ -99,6 +101,22 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
     return MemoryPlan(tuple(parts), n, summary)
 
 
+def _parameters(shape: ModelShape, cfg: Config, n: int, width: int) -> list[Part]:
+    """Below stage 3 every rank holds the whole model. At stage 3 it holds 1/N of each unit, except units
+    under `stage3_param_persistence_threshold` (norms, small layers), which stay whole on every rank and on
+    the device whatever `offload_param` says."""
+    if cfg.zero_optimization.stage < 3:
+        return [Part("parameters", device=width * shape.total)]
+    persistent = _persistent(shape, cfg)
+    return [_where("parameters", width * (shape.total - persistent) // n, cfg.zero_optimization.offload_param.device),
+            Part("persistent_parameters", device=width * persistent)]
+
+
+def _persistent(shape: ModelShape, cfg: Config) -> int:
+    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+    return sum(s for s in shape.module_sizes if s < threshold)
+
+
 def _where(name: str, nbytes: int, device: str) -> Part:
     if device == "cpu":
         return Part(name, host=nbytes)
@@ -107,8 +125,28 @@ def _where(name: str, nbytes: int, device: str) -> Part:
     return Part(name, device=nbytes)
 
 
+def _staging(shape: ModelShape, cfg: Config) -> int:
+    """Elements of whole gradient buffers live beside the slices (stages 2-3): `MAX_IN_FLIGHT` buckets being
+    reduced and one filling; at stage 3 a bucket is a unit, and the persistent units form one more."""
+    stage, zero = cfg.zero_optimization.stage, cfg.zero_optimization
+    if stage < 2:
+        return 0
+    grad_width = 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
+    if stage == 2:
+        bucket = min(zero.reduce_bucket_size, OVERLAP_BUCKET_BYTES // grad_width)
+        return min(shape.trainable, (MAX_IN_FLIGHT + 1) * bucket)
+    units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold]
+    return min(shape.trainable, _persistent(shape, cfg) + (MAX_IN_FLIGHT + 1) * max(units, default=0))
+
+
 def _window(shape: ModelShape, cfg: Config) -> int:
+    """Elements gathered whole at once at stage 3. After a unit's forward it stays gathered when backward
+    will use it again within `stage3_max_reuse_distance` elements of other gathers, which in backward's
+    reverse order keeps the last `max_reuse_distance` elements of the forward; on top, the running unit and
+    the prefetch bucket ahead of it, within `stage3_max_live_parameters`."""
     zero = cfg.zero_optimization
-    largest = max(shape.module_sizes, default=shape.total)
-    return min(max(zero.stage3_max_live_parameters, largest), shape.total) + min(zero.stage3_prefetch_bucket_size,
-                                                                                   shape.total)
+    units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold]
+    total, largest = sum(units), max(units, default=0)
+    kept = min(total, zero.stage3_max_reuse_distance)
+    ahead = min(zero.stage3_prefetch_bucket_size, max(zero.stage3_max_live_parameters - largest, 0))
+    return min(total, max(kept, largest + ahead))

@@ -67,6 +67,13 @@ enough for the bus to run at full rate yet lets reductions start early in backwa
 by 77 MiB."""
 
 
+MAX_IN_FLIGHT = 2
+"""Reductions under way at once; launching another first waits for the oldest. Without a bound, the full
+buffers of every bucket whose reduction had not finished stayed live, as many as backward outran the
+network: on CPU at stage 3 from a quarter to twice the model's gradients depending on timing, so no peak
+could be planned. Two keep one reduction on the wire while the next is queued."""
+
+
 def bucket_numel(reduce_bucket_size: int, dtype: torch.dtype) -> int:
     """Elements per gradient bucket: `reduce_bucket_size` (DeepSpeed's key, a limit on the elements reduced
     at a time) capped at `OVERLAP_BUCKET_BYTES` of `dtype`, so that reduction overlaps backward."""
@@ -235,6 +242,8 @@ class GradBuckets:
             bucket.flat = bucket.new_flat()
         if bucket.reduced:  # nothing arrived since its last reduction, which must not be averaged again
             bucket.reopen()
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._finish_oldest()
         self._in_flight.append((bucket, self.reducer.launch(bucket)))
 
     def _finish_completed(self) -> None:
