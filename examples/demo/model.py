@@ -152,3 +152,8 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters (the tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def from_preset(name: str = "demo", **overrides: object) -> GPT:
+    """A factory for tools that build a model by name (`shardwise plan --model examples.demo.model:from_preset`)."""
+    return GPT(preset(name, **overrides))

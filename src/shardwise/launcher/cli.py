@@ -63,6 +63,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          _tool("shardwise.config.cli")),
     "estimate": Subcommand("model-state memory per rank at each ZeRO stage (--params 1.3e9 --num_gpus 8)",
                            _tool("shardwise.zero.estimate", prog="shardwise estimate")),
+    "plan": Subcommand("planned per-rank peak memory of a config, by parts (--model M --config ds.json --world N)",
+                       _tool("shardwise.planner.cli", prog="shardwise plan")),
     "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
     "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
     "serve": Subcommand("an OpenAI-style completions endpoint for a Hugging Face model, split over --tp processes",

@@ -91,7 +91,7 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
         _where("optimizer_state", _ADAM_STATE_BYTES * psi // shard, opt_home),
         Part("gradient_staging", device=grad_width * _staging(shape, cfg)),
         Part("zero3_window", device=width * _window(shape, cfg) if stage == 3 else 0),
-        Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len)
+        Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len, width)
              if activations else 0),
     ]
     offload = [o for o in ("offload_optimizer", "offload_param") if getattr(zero, o).device != "none"]

@@ -11,12 +11,26 @@ from typing import Any, Callable
 
 import torch
 
-from ..profiling.activations import storage_key
+from ..profiling.activations import is_parameter, storage_key
 
 
 def _numel(p: torch.Tensor) -> int:
     """A parameter's whole element count, also when ZeRO-3 left a placeholder in the module."""
     return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _saved_key(t: torch.Tensor) -> Any:
+    """One key per storage; meta tensors have no storage address, so there the base tensor stands for it."""
+    if t.device.type == "meta":
+        return ("meta", id(t._base if t._base is not None else t))
+    return storage_key(t)
+
+
+def _saved_bytes(t: torch.Tensor) -> int:
+    if t.device.type == "meta":
+        base = t._base if t._base is not None else t
+        return base.numel() * base.element_size()
+    return t.untyped_storage().nbytes()
 
 
 @dataclass(frozen=True)
@@ -60,30 +74,34 @@ class ActivationProfile:
     """Samples in the traced micro-batch."""
     seq_len: int | None = None
     """Its sequence length, when the batch has one (the second dimension of its token ids)."""
+    compute_bytes: int = 4
+    """Bytes per element the model computed in when traced (4 fp32, 2 fp16/bf16)."""
 
-    def scaled(self, micro_batch: int, seq_len: int | None = None) -> int:
-        """Saved bytes at another micro-batch (linear) and sequence length (linear: attention through SDPA
-        keeps no [S, S] scores)."""
+    def scaled(self, micro_batch: int, seq_len: int | None = None, compute_bytes: int | None = None) -> int:
+        """Saved bytes at another micro-batch (linear), sequence length (linear: attention through SDPA
+        keeps no [S, S] scores) and compute width (activations are in the compute dtype)."""
         per_sample = self.saved_bytes / self.micro_batch
         stretch = seq_len / self.seq_len if seq_len and self.seq_len else 1.0
-        return int(per_sample * micro_batch * stretch)
+        width = (compute_bytes or self.compute_bytes) / self.compute_bytes
+        return int(per_sample * micro_batch * stretch * width)
 
     @classmethod
     def trace(cls, forward: Callable[[], Any], module: torch.nn.Module, micro_batch: int,
               seq_len: int | None = None) -> ActivationProfile:
         """Run `forward()` (which calls `module`) once, counting what autograd saves."""
-        params = {storage_key(p) for p in module.parameters()}
-        saved: dict[tuple[str, int], int] = {}
+        params = {_saved_key(p) for p in module.parameters()}
+        saved: dict[Any, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = storage_key(t)
-            if key not in params and t.device.type != "meta":
-                saved[key] = t.untyped_storage().nbytes()
+            key = _saved_key(t)
+            if key not in params and not is_parameter(t):
+                saved[key] = _saved_bytes(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward()
-        return cls(saved_bytes=sum(saved.values()), micro_batch=micro_batch, seq_len=seq_len)
+        width = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+        return cls(saved_bytes=sum(saved.values()), micro_batch=micro_batch, seq_len=seq_len, compute_bytes=width)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

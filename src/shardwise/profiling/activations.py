@@ -21,6 +21,12 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (t.device.type, t.untyped_storage().data_ptr())
 
 
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a transposed weight): at ZeRO-3 the parameter's storage is gathered
+    during forward, after the tracker listed the parameters' storages, so the storage alone cannot tell."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class ActivationTracker:
     """Measures saved-for-backward bytes per forward (see [Note: activation bytes])."""
 
@@ -38,7 +44,7 @@ class ActivationTracker:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_key(t)
-            if key not in params:
+            if key not in params and not is_parameter(t):
                 seen[key] = t.untyped_storage().nbytes()
             return t
 

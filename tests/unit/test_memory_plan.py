@@ -1,0 +1,83 @@
+"""The planner's arithmetic (planner/plan.py) and `shardwise plan`; the check against measured peaks is
+tests/distributed/test_memory_planner.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.planner import ActivationProfile, ModelShape, plan
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = ModelShape(trainable=1_000_000, module_sizes=(400_000, 300_000, 200_000, 50_000, 50_000))
+
+
+def _cfg(stage: int, **zero: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, **zero}}
+
+
+def test_model_states_follow_the_zero_formula_per_stage() -> None:
+    got = {stage: plan(SHAPE, _cfg(stage), 4) for stage in range(4)}
+    # fp32, Adam: 4 bytes of parameter, 4 of gradient, 8 of state per element.
+    assert [got[s].part("optimizer_state").device for s in range(4)] == [8_000_000, 2_000_000, 2_000_000, 2_000_000]
+    assert [got[s].part("gradients").device for s in range(4)] == [4_000_000, 4_000_000, 1_000_000, 1_000_000]
+    # Stage 3 keeps units under the persistence threshold (100k: the two 50k units) whole.
+    assert got[3].part("parameters").device == 4 * 900_000 // 4
+    assert got[3].part("persistent_parameters").device == 4 * 100_000
+
+
+def test_offload_moves_masters_and_state_to_host_or_disk() -> None:
+    cpu = plan(SHAPE, _cfg(2, offload_optimizer={"device": "cpu"}), 2)
+    assert cpu.part("optimizer_state").host == 4_000_000 and cpu.part("optimizer_state").device == 0
+    assert cpu.part("master_weights").host == 2_000_000  # the fp32 copy the host optimizer steps
+    nvme = plan(SHAPE, _cfg(3, offload_optimizer={"device": "nvme", "nvme_path": "/tmp"},
+                            offload_param={"device": "nvme", "nvme_path": "/tmp"}), 2)
+    assert nvme.part("optimizer_state").disk == 4_000_000 and nvme.part("parameters").disk == 4 * 900_000 // 2
+    assert nvme.peak_host == 0
+
+
+def test_sixteen_bit_parameters_add_fp32_masters_and_halve_activations() -> None:
+    acts = ActivationProfile(saved_bytes=1_000_000, micro_batch=1, compute_bytes=4)
+    fp32 = plan(SHAPE, _cfg(1), 2, acts)
+    bf16 = plan(SHAPE, {**_cfg(1), "bf16": {"enabled": True}}, 2, acts)
+    assert bf16.part("parameters").device == fp32.part("parameters").device // 2
+    assert bf16.part("master_weights").device == 4 * 1_000_000 // 2
+    assert fp32.part("activations").device == 2_000_000 and bf16.part("activations").device == 1_000_000
+    assert bf16.part("gradients").device == fp32.part("gradients").device  # accumulated in fp32 by default
+
+
+def test_stage3_window_follows_reuse_distance_and_prefetch() -> None:
+    wide = plan(SHAPE, _cfg(3), 2).part("zero3_window").device
+    tight = plan(SHAPE, _cfg(3, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0), 2).part("zero3_window")
+    assert wide == 4 * 900_000  # every non-persistent unit stays gathered from forward into backward
+    assert tight.device == 4 * 400_000  # only the running (largest) unit
+
+
+def test_stage2_staging_is_bounded_by_the_buckets_in_flight() -> None:
+    small = plan(SHAPE, _cfg(2, reduce_bucket_size=100_000), 2).part("gradient_staging").device
+    assert small == 4 * 3 * 100_000
+    assert plan(SHAPE, _cfg(2), 2).part("gradient_staging").device == 4 * 1_000_000
+
+
+def test_plan_command_prints_the_table_and_json(tmp_path: Path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**_cfg(3), "bf16": {"enabled": True}}))
+    args = [sys.executable, "-m", "shardwise.launcher.cli", "plan", "--model", "examples.demo.model:from_preset",
+            "--model_arg", "name=demo", "--model_arg", "n_layer=2", "--config", str(config), "--world", "2"]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "zero3 window" in out.stdout and "peak per rank" in out.stdout and "traced on the CPU" in out.stdout
+    data = json.loads(subprocess.run([*args, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120).stdout)
+    assert data["world"] == 2 and data["peak_device"] == sum(p["device"] for p in data["parts"].values())
+
+
+def test_plan_command_refuses_a_model_it_cannot_name(tmp_path: Path) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(_cfg(0)))
+    out = subprocess.run([sys.executable, "-m", "shardwise.launcher.cli", "plan", "--model", "gpt2", "--config",
+                          str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "package.module:factory" in out.stderr
