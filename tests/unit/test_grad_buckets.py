@@ -98,3 +98,23 @@ def test_buffers_in_flight_at_once_are_distinct_and_kept_for_the_next_step() -> 
     assert len(set(first)) == 3
     _backward(model, buckets)
     assert set(reducer.finished[3:]) == set(first)
+
+
+def test_at_most_max_in_flight_reductions_so_staging_memory_is_bounded() -> None:
+    """Reductions that never finish by themselves (a slow network): launching a third waits for the oldest, so
+    the full buffers live at once are the two in flight and the one filling, not one per bucket."""
+    from shardwise.zero.grad_buckets import MAX_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(6)))
+    params = list(reversed(list(model.parameters())))
+    buckets = [Bucket(layout, [p], torch.float32, (0, layout.padded_numel), partitioned=True)
+               for layout, p in zip(plan_buckets([p.numel() for p in params], 16), params)]
+    reducer = FakeReducer(completes_at_once=False)
+    grads = GradBuckets(buckets, reducer, overlap=True)
+    seen: list[int] = []
+    launch = reducer.launch
+    reducer.launch = lambda bucket: (seen.append(len(grads._in_flight)), launch(bucket))[1]
+    _backward(model, grads)
+    assert max(seen) == MAX_IN_FLIGHT - 1 == 1  # in flight before each launch: never more than one other
+    assert len(set(reducer.finished)) == MAX_IN_FLIGHT + 1
