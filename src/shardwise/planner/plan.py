@@ -65,7 +65,8 @@ class MemoryPlan:
         rows = [[p.name.replace("_", " "), binary_bytes(p.device), binary_bytes(p.host),
                  binary_bytes(p.disk) if p.disk else ""] for p in self.parts]
         rows.append(["peak per rank", binary_bytes(self.peak_device), binary_bytes(self.peak_host), ""])
-        return render_table(title or f"Planned memory per rank: {self.summary}", ["Part", "Device", "Host", "Disk"], rows)
+        table = render_table(title or "Planned memory per rank", ["Part", "Device", "Host", "Disk"], rows)
+        return f"{self.summary}\n{table}"
 
     def to_json(self) -> dict[str, Any]:
         return {"summary": self.summary, "world": self.world, "peak_device": self.peak_device,
