@@ -81,3 +81,39 @@ def test_plan_command_refuses_a_model_it_cannot_name(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "shardwise.launcher.cli", "plan", "--model", "gpt2", "--config",
                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "package.module:factory" in out.stderr
+
+
+def test_plan_of_a_hugging_face_config_traces_its_model(tmp_path: Path) -> None:
+    """The bundled tiny LLaMA config: shape from the config, activations from a traced forward with labels."""
+    from shardwise.planner.models import profile
+
+    tiny = REPO / "examples" / "finetune_llm" / "tiny_llama"
+    shape, acts, how = profile(str(tiny), {}, 64)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny))
+    assert shape.trainable == sum(p.numel() for p in model.parameters())
+    assert acts.seq_len == 64 and acts.saved_bytes > 0 and how == "traced on the CPU"
+    longer = profile(str(tiny), {}, 128)[1]
+    assert 1.8 < longer.saved_bytes / acts.saved_bytes < 2.2  # linear in the sequence, as scaled() assumes
+
+
+def test_meta_trace_counts_what_a_real_trace_counts_but_attention(tmp_path: Path) -> None:
+    """On the meta device there are no storages: views are counted once through their base, parameters not."""
+    import torch
+
+    from examples.demo.model import from_preset
+    from shardwise.planner import ActivationProfile
+
+    kw = dict(n_layer=2, d_model=64, n_head=2, seq_len=32)
+    torch.manual_seed(0)
+    real_model = from_preset("demo", **kw)
+    x = torch.zeros(2, 32, dtype=torch.long)
+    real = ActivationProfile.trace(lambda: real_model(x, x), real_model, 2, 32).saved_bytes
+    with torch.device("meta"):
+        meta_model = from_preset("demo", **kw)
+        xm = torch.zeros(2, 32, dtype=torch.long)
+    meta = ActivationProfile.trace(lambda: meta_model(xm, xm), meta_model, 2, 32).saved_bytes
+    attention_weights = 2 * 2 * 2 * 32 * 32 * 4  # layers x batch x heads x S x S fp32: SDPA's math kernel
+    logsumexp = 2 * 2 * 2 * 32 * 4  # what the flash kernel saves instead
+    assert meta - real == attention_weights - logsumexp
