@@ -117,3 +117,29 @@ def test_meta_trace_counts_what_a_real_trace_counts_but_attention(tmp_path: Path
     attention_weights = 2 * 2 * 2 * 32 * 32 * 4  # layers x batch x heads x S x S fp32: SDPA's math kernel
     logsumexp = 2 * 2 * 2 * 32 * 4  # what the flash kernel saves instead
     assert meta - real == attention_weights - logsumexp
+
+
+def test_deepspeeds_estimators_print_the_planners_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed's `estimate_zero3_model_states_mem_needs_all_cold` names, answered from plan(): the GPU column
+    is the plan's device peak for each offload option (model states, staging, window; no activations)."""
+    from shardwise.planner.estimates import (estimate_zero2_model_states_mem_needs_all_live,
+                                             estimate_zero3_model_states_mem_needs_all_cold)
+
+    estimate_zero3_model_states_mem_needs_all_cold(7_000_000_000, 130_000_000, num_gpus_per_node=8)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "offload_param" in line]
+    assert len(rows) == 6
+    gpu = {row.split("|")[2].strip(): float(row.split("|")[1].strip()[:-2]) for row in rows}
+    assert gpu["offload_param=none, offload_optimizer=none, zero_init=1"] > \
+        gpu["offload_param=none, offload_optimizer=cpu , zero_init=1"] > \
+        gpu["offload_param=cpu , offload_optimizer=cpu , zero_init=1"]
+    none = plan(ModelShape(7_000_000_000, module_sizes=(130_000_000,) * 53 + (110_000_000,)),
+                {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, 8)
+    assert gpu["offload_param=none, offload_optimizer=none, zero_init=1"] == round(none.peak_device / 2**30, 2)
+    estimate_zero2_model_states_mem_needs_all_live(torch_model(), num_gpus_per_node=2)
+    assert "offload_optimizer=cpu" in capsys.readouterr().out
+
+
+def torch_model():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
