@@ -58,7 +58,7 @@ def _rank(rank: int, preset: str, seq_len: int, cfg: dict[str, Any]) -> dict[str
     for x, y in token_batches(256, cfg["train_micro_batch_size_per_gpu"], seq_len, 2, rank):
         engine.backward(engine(x, y))
         engine.step()
-    check = engine.instruments.plan_probe.check
+    check = engine.plan_probe.check
     return {"planned": check.predicted, "measured": check.measured,
             "parts": {p.name: p.device + p.host for p in check.planned.parts}}
 

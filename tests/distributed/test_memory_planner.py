@@ -44,7 +44,7 @@ def _train_and_check(config: dict, n_layer: int) -> tuple[int, int]:
         x, y = (torch.randint(0, 256, (micro, 128), generator=g) for _ in range(2))
         engine.backward(engine(x, y))
         engine.step()
-    check = engine.instruments.plan_probe.check
+    check = engine.plan_probe.check
     return check.predicted, check.measured
 
 

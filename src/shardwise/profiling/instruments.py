@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -31,6 +31,12 @@ from .timers import StepTimers
 logger = logging.getLogger("shardwise")
 
 
+class StepListener(Protocol):
+    def on_step(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Instruments:
     def __init__(self, config: Config, strategy: ShardingStrategy, comm: Collectives, device: torch.device, rank: int,
                  dp_size: int):
@@ -43,12 +49,9 @@ class Instruments:
         self.progress = progress_from_env(rank)
         self.strategy, self.device, self.rank, self.dp_size = strategy, device, rank, dp_size
         self.stage = config.zero_optimization.stage
-        self.plan_probe = None
-        if config.memory_breakdown:  # the planner sits above profiling: imported only when asked for
-            from ..planner.probe import PlanProbe
-
-            self.plan_probe = PlanProbe(config, strategy.module, device, dp_size, self.memory_breakdown,
-                                        lambda: self.activations.peak, rank)
+        self.step_listeners: list[StepListener] = []
+        """Told of every optimizer step, closed with the instruments: the planner's check, which sits above
+        profiling and is attached by the runtime (runtime/watchers.py)."""
         self.log_memory = config.memory_breakdown
         # The 6·N·tokens estimate of a step's FLOPs (forward 2N, backward 4N per token) until a profile exists.
         self._flops_per_token = 6 * sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
@@ -101,8 +104,8 @@ class Instruments:
 
     def on_step(self, figures: StepFigures) -> None:
         """An optimizer step was taken: reported now, or when a measured `step` context closes."""
-        if self.plan_probe is not None:
-            self.plan_probe.on_step(figures.step)
+        for listener in self.step_listeners:
+            listener.on_step(figures.step)
         if self._deferring:
             self._figures = figures
         else:
@@ -148,8 +151,8 @@ class Instruments:
 
     def close(self) -> None:
         self.monitor.close()
-        if self.plan_probe is not None:
-            self.plan_probe.close()
+        for listener in self.step_listeners:
+            listener.close()
         if self.progress is not None:
             self.progress.close()
 

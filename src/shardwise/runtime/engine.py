@@ -40,7 +40,7 @@ from ..profiling.memory import MemoryBreakdown
 from ..profiling.throughput import ThroughputTimer
 from ..protocols import ShardingStrategy
 from ..tensor_parallel import TensorParallelModel, TensorShard
-from . import param_access
+from . import param_access, watchers
 from .call_checks import check_loss, explain_dtype_error
 from .curriculum_surface import DataEfficiencySurface
 from .deepspeed_surface import DeepSpeedSurface
@@ -102,6 +102,8 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self._autocast = forward_autocast(config.torch_autocast, device)
         self.monitor = self.instruments.monitor
         self.tput_timer = ThroughputTimer(config.train_batch_size)
+        self.plan_probe = watchers.plan_probe(self)
+        """The planner's step-2 check (`memory_breakdown: true`): `plan_probe.check` once step 2 is done."""
         param_access.register(self)
 
     # --- accumulation boundaries (the rest of DeepSpeed's accessors: deepspeed_surface.py) -------
