@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,50 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass(frozen=True)
+class MemoryHeadroom:
+    """How many more bytes a rank could allocate where it computes, what binds them, and whether the node's
+    ranks share them (host memory does)."""
+
+    bytes: int
+    bound_by: str
+    shared: bool = False
+
+
+def memory_headroom(device: torch.device) -> MemoryHeadroom:
+    """On CUDA what is free on the device plus torch's unused cache; on CPU the tightest of the host's
+    available memory, the cgroup's limit and the address-space rlimit."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return MemoryHeadroom(torch.cuda.mem_get_info(device)[0] + cached, "free on the device plus torch's unused cache")
+    import resource
+
+    bounds = [MemoryHeadroom(_meminfo_bytes("MemAvailable"), "the host's available memory", shared=True)]
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                bounds.append(MemoryHeadroom(int(limit) - int(g.read()), "the cgroup's memory.max", shared=True))
+    except (OSError, ValueError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        bounds.append(MemoryHeadroom(soft - _status_bytes("VmSize"), "the address-space rlimit (ulimit -v)"))
+    return min(bounds, key=lambda b: b.bytes)
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields[key].split()[0]) * 1024
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields[key].split()[0]) * 1024
 
 
 def cpu_threads_per_rank(local_world_size: int) -> int:
@@ -201,9 +246,7 @@ class Accelerator:
     def available_memory(self, device_index: int | None = None) -> int:
         if self._name == "cuda":
             return torch.cuda.mem_get_info(device_index)[0]
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        return _meminfo_bytes("MemAvailable")
 
     def empty_cache(self) -> None:
         if self._name == "cuda":

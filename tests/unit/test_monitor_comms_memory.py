@@ -107,7 +107,25 @@ def test_activation_tracker_counts_saved_tensors_once_without_parameters():
         model(x).sum().backward()
     # Saved: the input x (for the weight grad), the tanh output (for tanh's and the 2nd linear's grads).
     assert tracker.peak == (5 * 16 + 5 * 32) * 4
-    off = ActivationTracker(False)
-    with off.track(model):
+    off = ActivationTracker(False)  # without memory_breakdown: the first forward that builds a graph only
+    with torch.no_grad(), off.track(model):
         model(x)
     assert off.peak is None
+    with off.track(model):
+        model(x)
+    with off.track(model):
+        model(torch.randn(50, 16))
+    assert off.peak == (5 * 16 + 5 * 32) * 4
+
+
+def test_activation_tracker_keeps_what_a_failing_first_forward_saved():
+    class Boom(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), Boom(32, 8), torch.nn.Linear(8, 8))
+    tracker = ActivationTracker(False)
+    with pytest.raises(RuntimeError), tracker.track(model):
+        model(torch.randn(5, 16))
+    assert tracker.peak is None and tracker.partial == (5 * 16 + 5 * 32) * 4
+    assert tracker.partial_share == 2 / 3  # the first Linear and Boom began, the last Linear did not

@@ -2,7 +2,9 @@
 
 `shape.py` describes a model by its parameter counts (`ModelShape`) and the activations of one traced
 micro-batch (`ActivationProfile`); `plan.py` turns those, a config and a world size into a `MemoryPlan`;
-`measure.py` measures the real peak the plan is checked against; `cli.py` is `shardwise plan`.
+`measure.py` measures the real peak the plan is checked against; `cli.py` is `shardwise plan`; `changes.py`
+names config changes as dotted-key overrides, and `oom.py` explains an out-of-memory error with the changes
+whose plans fit.
 """
 
 from .measure import AllocationMeter

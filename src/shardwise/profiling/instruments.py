@@ -64,7 +64,7 @@ class Instruments:
         self._micro_batches += 1
         self.reporter.mark_start()
         profiled = self.flops_profiler.forward(module, global_steps)
-        if not self.timers.enabled and not self.activations.enabled and profiled is NOTHING:
+        if not self.timers.enabled and not self.activations.wanted and profiled is NOTHING:
             return NOTHING
         return _all(self.timers("forward"), profiled, self.activations.track(module))
 

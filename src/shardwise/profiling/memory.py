@@ -159,8 +159,15 @@ class MemoryBreakdown:
 
     @property
     def model_states(self) -> int:
-        return sum(b.total for b in (self.parameters, self.frozen_parameters, self.master_weights, self.gradients,
-                                     self.optimizer_state))
+        return sum(b.total for b in self._model_state_parts())
+
+    @property
+    def model_states_on_host(self) -> int:
+        """The part of `model_states` that offloading keeps in host memory."""
+        return sum(b.host for b in self._model_state_parts())
+
+    def _model_state_parts(self) -> tuple[Bytes, ...]:
+        return self.parameters, self.frozen_parameters, self.master_weights, self.gradients, self.optimizer_state
 
     def table(self) -> str:
         categories = [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), Bytes)]

@@ -42,6 +42,7 @@ from ..protocols import ShardingStrategy
 from ..tensor_parallel import TensorParallelModel, TensorShard
 from . import param_access, watchers
 from .call_checks import check_loss, explain_dtype_error
+from .out_of_memory import OutOfMemoryExplainer
 from .curriculum_surface import DataEfficiencySurface
 from .deepspeed_surface import DeepSpeedSurface
 from .weights_surface import ConsolidatedWeights
@@ -104,6 +105,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.plan_probe = watchers.plan_probe(self)
         """The planner's step-2 check (`memory_breakdown: true`): `plan_probe.check` once step 2 is done."""
+        self.out_of_memory = OutOfMemoryExplainer(self)
         param_access.register(self)
 
     # --- accumulation boundaries (the rest of DeepSpeed's accessors: deepspeed_surface.py) -------
@@ -127,7 +129,8 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self._window_tokens += _token_count(inputs, kwargs)
         if self.random_ltd_scheduler is not None and self.module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps, self.window_micro_steps)
-        with self.instruments.forward(self.module, self.global_steps), self._autocast():
+        with self.out_of_memory.explained("forward"), self.instruments.forward(self.module, self.global_steps), \
+                self._autocast():
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as e:
@@ -150,7 +153,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         factor = self.precision.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps()
-        with self.instruments.backward():
+        with self.out_of_memory.explained("backward"), self.instruments.backward():
             (loss * factor).backward(retain_graph=retain_graph)
             with self.instruments.reduce():
                 self.strategy.finish_backward()
@@ -167,7 +170,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
             self.strategy.begin_backward(boundary)
             with self.instruments.reduce():
                 self.strategy.finish_backward()
-        with self.instruments.step(boundary):
+        with self.out_of_memory.explained("step"), self.instruments.step(boundary):
             if boundary:
                 self._take_model_step(lr_kwargs)
         self.micro_steps += 1

@@ -1,0 +1,135 @@
+"""What the engine says when a rank runs out of memory: what was live, what the plan of this config expected,
+and config changes that would fit, each with its planned peak (see [Note: explaining an out-of-memory]).
+
+[Note: explaining an out-of-memory] The capacity a config must fit in is what was live at the failure plus
+what could still be allocated (`accelerator.memory_headroom`; runtime/out_of_memory.py says how "live" is
+counted). Changes are planned with the activations of the first forward, measured when it finished, else
+estimated from what it saved before it failed, stretched to the modules it had not reached. A change fits
+when its planned peak is within `FIT_SHARE` of the capacity: the rest is left for what no plan counts
+(fragmentation, temporaries of single ops, tensors the training loop keeps).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..config import Config
+from ..profiling.memory import MemoryBreakdown
+from ..profiling.units import binary_bytes
+from .changes import Change, parsed, single_changes
+from .plan import MemoryPlan, plan
+from .shape import ActivationProfile, ModelShape
+
+FIT_SHARE = 0.9
+SHOWN = 4
+
+
+@dataclass(frozen=True)
+class MemoryAtFailure:
+    """What the runtime knows when an allocation fails on a rank."""
+
+    where: str
+    """"forward of micro-step 7 (step 3)", say."""
+    rank: int
+    device: str
+    held: MemoryBreakdown
+    live: int
+    """Bytes allocated at the failure (see the note)."""
+    headroom: int
+    bound_by: str
+    """What limits the headroom ("free on the device plus torch's unused cache", ...)."""
+    activations: ActivationProfile | None
+    """Saved bytes of one forward at the config's micro-batch; None when no forward got far enough to say."""
+    activations_source: str
+    """How `activations` was found: "measured over a whole forward", or how it was estimated."""
+    on_cpu: bool
+    host_capacity: int | None = None
+    """Off CPU: host memory this rank may fill (its share of the available memory, plus what it holds)."""
+
+    @property
+    def capacity(self) -> int:
+        return self.live + self.headroom
+
+
+@dataclass(frozen=True)
+class Explanation:
+    text: str
+    fitting: tuple[tuple[Change, int], ...]
+    """The changes shown as fitting, each with its planned peak per rank (bytes)."""
+
+
+def explain(error: BaseException, facts: MemoryAtFailure, cfg: Config, dp_size: int, shape: ModelShape) -> Explanation:
+    lines = [f"[rank {facts.rank}] out of memory on {facts.device} in the {facts.where}: {_first_line(error)}",
+             facts.held.table()]
+    if facts.activations is None:
+        lines.append("activations: unknown (the failure came before the first forward saved any); the plans below "
+                     "count model states only.")
+    else:
+        lines.append(f"activations: {binary_bytes(facts.activations.saved_bytes)} for a micro-batch of "
+                     f"{facts.activations.micro_batch} ({facts.activations_source})")
+    current = plan(shape, cfg, dp_size, facts.activations)
+    lines += [current.table(f"The plan of this config: {binary_bytes(_peak(current, facts))} per rank"),
+              f"Capacity: {binary_bytes(facts.capacity)} per rank ({binary_bytes(facts.live)} live at the failure + "
+              f"{binary_bytes(facts.headroom)} still free, bound by {facts.bound_by}); a config fits when its planned "
+              f"peak is within {FIT_SHARE:.0%} of it."]
+    if _fits(current, facts):
+        lines.append("The plan fits, so the memory went to something the planner does not count: tensors the model or "
+                     "the training loop keeps (a large logits tensor, cached outputs), or other processes on the device.")
+    fitting = tuple(itertools.islice(changes_that_fit(cfg, dp_size, shape, facts), SHOWN))
+    if fitting:
+        lines.append("Changes that fit (planned peak per rank):")
+        lines += [f"  - {change.description}: {binary_bytes(peak)}" for change, peak in fitting]
+        lines.append("`shardwise autotune` measures which of them runs fastest.")
+    else:
+        lines.append(_nothing_fits(cfg, dp_size, shape, facts))
+    return Explanation("\n".join(lines), fitting)
+
+
+def changes_that_fit(cfg: Config, dp_size: int, shape: ModelShape, facts: MemoryAtFailure) -> Iterator[tuple[Change, int]]:
+    """Single changes that fit, in `single_changes`' order; then pairs of them."""
+    singles = list(single_changes(cfg, dp_size))
+    pairs = (a + b for a, b in itertools.combinations(singles, 2))
+    seen: set[tuple[tuple[str, object], ...]] = set()
+    for change in itertools.chain(singles, pairs):
+        key = tuple(sorted(change.overrides.items()))
+        changed = parsed(cfg._raw, change, dp_size) if key not in seen else None
+        seen.add(key)
+        if changed is None:
+            continue
+        planned = plan(shape, changed, dp_size, facts.activations)
+        if _fits(planned, facts):
+            yield change, _peak(planned, facts)
+
+
+def _nothing_fits(cfg: Config, dp_size: int, shape: ModelShape, facts: MemoryAtFailure) -> str:
+    smallest = Change({"zero_optimization.stage": 3, "train_micro_batch_size_per_gpu": 1,
+                       "gradient_accumulation_steps": cfg.gradient_accumulation_steps}, "")
+    raw = {k: v for k, v in cfg._raw.items() if k != "train_batch_size"}  # the global batch grows with the ranks
+    for ranks in (dp_size * 2**k for k in range(1, 7)):
+        changed = parsed(raw, smallest, ranks)
+        if changed is None:
+            break
+        sharded = plan(shape, changed, ranks, facts.activations)
+        if _fits(sharded, facts):
+            return (f"No single change or pair of changes fits. At ZeRO stage 3 with a micro-batch of 1 over {ranks} "
+                    f"ranks the plan is {binary_bytes(_peak(sharded, facts))} per rank: add ranks, or a device with "
+                    "more memory.")
+    return ("No change fits, not even ZeRO stage 3 with a micro-batch of 1 over 64 times the ranks: the model needs a "
+            "device with more memory, tensor or pipeline parallelism, or a smaller model.")
+
+
+def _fits(memory: MemoryPlan, facts: MemoryAtFailure) -> bool:
+    host_fits = facts.host_capacity is None or memory.peak_host <= FIT_SHARE * facts.host_capacity
+    return _peak(memory, facts) <= FIT_SHARE * facts.capacity and host_fits
+
+
+def _peak(memory: MemoryPlan, facts: MemoryAtFailure) -> int:
+    """On CPU the device and host parts share one memory."""
+    return memory.peak_total if facts.on_cpu else memory.peak_device
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

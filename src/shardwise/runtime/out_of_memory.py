@@ -1,0 +1,93 @@
+"""An allocation that fails inside the engine's forward, backward or step is explained before it propagates:
+the rank logs what was live, the plan of its config and the changes that would fit (planner/oom.py). The
+error itself is re-raised unchanged, so code that catches out-of-memory errors by type or message (accelerate's
+`find_executable_batch_size`, a Trainer's retry) behaves as without shardwise.
+
+[Note: live bytes at an out-of-memory] On CUDA the caching allocator counts what is allocated. On CPU it
+keeps no count (and the process's mapped or resident bytes include the interpreter, libraries and memory
+the C allocator keeps after a free), so the live bytes are what the engine knows of: the model states and
+buffers the strategy holds, and the activations of the failing forward when it was the first (tracked)
+one, else those of a whole forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from .. import accelerator
+from ..planner.oom import Explanation, MemoryAtFailure, explain
+from ..planner.shape import ActivationProfile, ModelShape
+from ..profiling.units import binary_bytes
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger("shardwise")
+
+_HOST_ALLOCATION_FAILED = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _HOST_ALLOCATION_FAILED)
+
+
+class OutOfMemoryExplainer:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.last: Explanation | None = None
+        """The explanation of the last out-of-memory error (its text and the changes that fit)."""
+
+    @contextlib.contextmanager
+    def explained(self, phase: str) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, MemoryError) as error:
+            if is_out_of_memory(error):
+                self._report(phase, error)
+            raise
+
+    def _report(self, phase: str, error: BaseException) -> None:
+        engine = self.engine
+        try:
+            self.last = explain(error, self._facts(phase), engine.config, engine.topology.data.size,
+                                ModelShape.of(engine.module))
+            text = self.last.text
+        except Exception as failure:  # the explanation must never hide the error it explains
+            text = f"[rank {engine.global_rank}] out of memory in {phase}; the memory report failed too: {failure!r}"
+        logger.error("%s", text)
+        error.add_note(f"shardwise: rank {engine.global_rank}'s memory at the failure and config changes that fit "
+                       "are in the log above.")
+
+    def _facts(self, phase: str) -> MemoryAtFailure:
+        engine, tracker, cfg, device = self.engine, self.engine.instruments.activations, self.engine.config, self.engine.device
+        held = engine.memory_breakdown()
+        profile, note, live_activations = None, "measured over a whole forward", tracker.peak or 0
+        width = 2 if (cfg.fp16.enabled or cfg.bf16.enabled) else 4
+        if tracker.peak is not None:
+            profile = ActivationProfile(tracker.peak, cfg.train_micro_batch_size_per_gpu, compute_bytes=width)
+        elif tracker.partial is not None and tracker.partial_share:
+            # the first forward failed part-way: what it saved, stretched to the modules it had not reached
+            profile = ActivationProfile(int(tracker.partial / tracker.partial_share), cfg.train_micro_batch_size_per_gpu,
+                                        compute_bytes=width)
+            note = (f"estimated: the failing first forward had saved {binary_bytes(tracker.partial)} in "
+                    f"{tracker.partial_share:.0%} of the modules holding parameters")
+            live_activations = tracker.partial
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        headroom = accelerator.memory_headroom(device)
+        host_capacity = None
+        if device.type == "cuda":
+            live = torch.cuda.memory_allocated(device)
+            host_capacity = accelerator.memory_headroom(torch.device("cpu")).bytes // local_ranks + held.model_states_on_host
+        else:  # see [Note: live bytes at an out-of-memory]
+            live = held.model_states + held.buffers.total + live_activations
+        where = f"{phase} of micro-step {engine.micro_steps + 1} (step {engine.global_steps + 1})"
+        return MemoryAtFailure(where, engine.global_rank, str(device), held, live,
+                               headroom.bytes // (local_ranks if headroom.shared else 1), headroom.bound_by, profile,
+                               note, device.type == "cpu", host_capacity)

@@ -1,0 +1,76 @@
+"""A real host allocation failure inside the engine (an address-space rlimit a little above what the process
+maps once built): the rank logs what was live and changes that fit, the error propagates unchanged, and the
+first change it proposes does train under the same limit."""
+
+from __future__ import annotations
+
+import io
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.harness import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+HEADROOM = 100 * 2**20
+"""Above the mapped bytes at the first forward: the model states (50 MiB with Adam's state) fit, a micro-batch of
+16 (~270 MiB of activations) does not, and one of 2 (~34 MiB) does."""
+
+
+def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import shardwise
+    from examples.demo.model import from_preset
+    from shardwise.accelerator import _status_bytes
+
+    log = io.StringIO()
+    logging.getLogger("shardwise").addHandler(logging.StreamHandler(log))
+    torch.manual_seed(0)
+    engine, *_ = shardwise.initialize(model=from_preset("demo", n_layer=4, d_model=256, n_head=4, seq_len=256),
+                                      config=config)
+    g = torch.Generator().manual_seed(1)
+    micro = config["train_micro_batch_size_per_gpu"]
+    batches = [tuple(torch.randint(0, 256, (micro, 256), generator=g) for _ in range(2))
+               for _ in range(steps * config["gradient_accumulation_steps"])]
+    resource.setrlimit(resource.RLIMIT_AS, (_status_bytes("VmSize") + HEADROOM, resource.RLIM_INFINITY))
+    try:
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            engine.step()
+    except RuntimeError as error:
+        last = engine.out_of_memory.last
+        return {"error": str(error), "type": type(error).__name__, "notes": getattr(error, "__notes__", []),
+                "log": log.getvalue(), "fitting": [dict(c.overrides) for c, _ in last.fitting] if last else []}
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return {"error": None, "steps": engine.global_steps}
+
+
+def _config(micro: int, **overrides: Any) -> dict[str, Any]:
+    from shardwise.planner.changes import apply
+
+    base = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 16 // micro,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0}}
+    return apply(base, overrides)
+
+
+def test_a_host_allocation_failure_is_explained_and_the_proposed_change_fits() -> None:
+    failed = run_distributed(_train, 1, _config(16), 1, timeout=180)[0]
+    assert failed["error"] and "DefaultCPUAllocator: can't allocate memory" in failed["error"]
+    assert failed["type"] == "RuntimeError"  # re-raised as it was: retry-on-OOM code still recognises it
+    assert any("memory at the failure and config changes that fit are in the log above" in n for n in failed["notes"])
+    text = failed["log"]
+    assert "[rank 0] out of memory on cpu in the forward of micro-step 1 (step 1)" in text
+    assert "model states (sum)" in text and "The plan of this config" in text
+    assert "estimated: the failing first forward had saved" in text
+    assert "bound by the address-space rlimit (ulimit -v)" in text
+    assert "Changes that fit (planned peak per rank):" in text
+    first = failed["fitting"][0]
+    assert first["train_micro_batch_size_per_gpu"] < 16 and first["train_batch_size"] == 16
+    fitted = run_distributed(_train, 1, _config(16, **first), 1, timeout=180)[0]
+    assert fitted == {"error": None, "steps": 1}
