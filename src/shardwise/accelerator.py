@@ -76,6 +76,21 @@ def memory_headroom(device: torch.device) -> MemoryHeadroom:
     return min(bounds, key=lambda b: b.bytes)
 
 
+def memory_capacity(device: torch.device, local_ranks: int) -> int:
+    """The most one rank can hold where it computes: a GPU's memory, or its share of the host's (bounded by the
+    cgroup's limit where one is set)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = _meminfo_bytes("MemTotal")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        host = min(host, int(limit)) if limit != "max" else host
+    except (OSError, ValueError):
+        pass
+    return host // max(local_ranks, 1)
+
+
 def _meminfo_bytes(key: str) -> int:
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)

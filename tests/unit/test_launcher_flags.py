@@ -100,7 +100,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str], entry=cli.main) ->
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--autotuning", "tune"], "--autotuning tune: shardwise has no autotuner yet; drop the flag"),
+    (["--autotuning", "tune"], "autotuning: the script's arguments name no DeepSpeed config (--deepspeed_config PATH"),
     (["--node_rank", "1"], "--node_rank 1: used only with --no_ssh"),
     (["--bind_core_list", "0"], "--bind_core_list 0: only used with --bind_cores_to_rank"),
     (["--bind_cores_to_rank", "--bind_core_list", "3-1"], "--bind_core_list '3-1': item '3-1' is out of order or overlaps"),

@@ -202,7 +202,7 @@ TABLE: dict[str, Treatment] = {
     "vocabulary_size": noop("DeepSpeed only warns when it is not a multiple of 8"),
     "disable_allgather": noop("read by DeepSpeed 0.19.8 but used nowhere"),
     "disable_python_gc": noop(SPEED + " (Python's cyclic collector paused during training)"),
-    "autotuning.*": warned("configures DeepSpeed's `--autotuning` launcher runs, which shardwise does not have"),
+    "autotuning.*": impl("`shardwise autotune` / `--autotuning tune|run`: the search, and each experiment's report"),
     # --- activation checkpointing -----------------------------------------------------------------
     "activation_checkpointing.*": impl("how shardwise.runtime.activation_checkpointing.checkpoint recomputes"),
     # --- pipeline parallelism (a PipelineModule) -------------------------------------------------------

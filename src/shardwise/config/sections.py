@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .base import Section
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+from .autotuning import AutotuningConfig
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
 from .training import COMPRESSED_OPTIMIZER_NAMES, OptimizerConfig, SchedulerConfig
@@ -257,6 +258,7 @@ class Config(Section, RawConfigView):
     curriculum_learning: LegacyCurriculumConfig | None = None
     data_efficiency: DataEfficiencyConfig = DataEfficiencyConfig()
     sparse_attention: SparseAttentionConfig | None = None
+    autotuning: AutotuningConfig = AutotuningConfig()
 
     @field_validator("curriculum_learning", mode="before")
     @classmethod

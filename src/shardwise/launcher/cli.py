@@ -58,6 +58,8 @@ def _checkpoint(argv: list[str]) -> int:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "autotune": Subcommand("find the fastest config that fits: ZeRO stage, micro-batch, offload (= --autotuning tune)",
+                           _tool("shardwise.autotune.cli", prog="shardwise autotune")),
     "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
     "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)",
                          _tool("shardwise.config.cli")),
@@ -89,9 +91,6 @@ def check_options(args: argparse.Namespace, hostfile: str | None) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise LaunchError(f"--{flag} must be at least 1 (or -1 for all); got {value}.")
-    if args.autotuning:
-        raise LaunchError(f"--autotuning {args.autotuning}: shardwise has no autotuner yet; drop the flag to run "
-                          "the job with its config as written.")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be used together; keep one.")
     if args.node_rank is not None and not args.no_ssh:
@@ -207,7 +206,12 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
 def launch(argv: list[str], prog: str = "shardwise") -> int:
     """``shardwise [options] script [args]``: start the processes, return the job's exit status."""
     epilog = subcommand_epilog() if prog == "shardwise" else None
-    plan = plan_launch(parse_launch_args(argv, prog, epilog))
+    args = parse_launch_args(argv, prog, epilog)
+    if args.autotuning:  # the tuner launches the experiments, then (run) the training, through this launcher
+        import importlib
+
+        return int(importlib.import_module("shardwise.autotune.cli").from_launcher(argv, args.autotuning, prog))
+    plan = plan_launch(args)
     from shardwise.launcher.multinode import MultiNodeLaunch, launch_multinode
 
     if isinstance(plan, MultiNodeLaunch):

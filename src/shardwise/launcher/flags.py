@@ -122,7 +122,8 @@ def _output(parser: argparse.ArgumentParser) -> None:
              "(default info; shardwise's launcher has no debug output)")
     add("-q", "--quiet", action="store_true", help="same as --log_level error")
     add("--autotuning", default=None, choices=("tune", "run"),
-        help="refused: shardwise has no autotuner yet (drop the flag; the job runs with its config as written)")
+        help="search the config's space for the fastest config that fits (tune), then train with it (run); "
+             "see `shardwise autotune --help`")
 
 
 def build_launch_parser(prog: str = "shardwise", epilog: str | None = None) -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..monitor.reporter import StepFigures
 from ..profiling.memory import MemoryBreakdown
 from ..profiling.units import binary_bytes
 from .measure import AllocationMeter
@@ -49,7 +50,8 @@ class PlanProbe:
         self._mark: int | None = None
         self.check: PlanCheck | None = None
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, figures: StepFigures) -> None:
+        step = figures.step
         if step == CHECKED_STEP - 1:
             self._mark = self.meter.mark()
         elif step == CHECKED_STEP and self._mark is not None:

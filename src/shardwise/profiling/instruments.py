@@ -32,7 +32,7 @@ logger = logging.getLogger("shardwise")
 
 
 class StepListener(Protocol):
-    def on_step(self, step: int) -> None: ...
+    def on_step(self, figures: StepFigures) -> None: ...
 
     def close(self) -> None: ...
 
@@ -50,8 +50,8 @@ class Instruments:
         self.strategy, self.device, self.rank, self.dp_size = strategy, device, rank, dp_size
         self.stage = config.zero_optimization.stage
         self.step_listeners: list[StepListener] = []
-        """Told of every optimizer step, closed with the instruments: the planner's check, which sits above
-        profiling and is attached by the runtime (runtime/watchers.py)."""
+        """Told of every optimizer step, closed with the instruments: the planner's check and an autotuning
+        experiment's report, which sit above profiling and are attached by the runtime (runtime/watchers.py)."""
         self.log_memory = config.memory_breakdown
         # The 6·N·tokens estimate of a step's FLOPs (forward 2N, backward 4N per token) until a profile exists.
         self._flops_per_token = 6 * sum(p.numel() for p in strategy.module.parameters() if p.requires_grad)
@@ -105,7 +105,7 @@ class Instruments:
     def on_step(self, figures: StepFigures) -> None:
         """An optimizer step was taken: reported now, or when a measured `step` context closes."""
         for listener in self.step_listeners:
-            listener.on_step(figures.step)
+            listener.on_step(figures)
         if self._deferring:
             self._figures = figures
         else:

@@ -105,6 +105,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.plan_probe = watchers.plan_probe(self)
         """The planner's step-2 check (`memory_breakdown: true`): `plan_probe.check` once step 2 is done."""
+        watchers.autotune_trial(self, self.plan_probe)
         self.out_of_memory = OutOfMemoryExplainer(self)
         param_access.register(self)
 
