@@ -73,7 +73,32 @@ def search(name: str, tuner: str, args: argparse.Namespace, work: Path) -> dict[
             "ranking": sorted(((e["name"], round(e["metric"], 3)) for e in fitted), key=lambda x: -x[1]),
             "planned_over_measured": [round(e["planned"] / e["measured"], 3) for e in ran
                                       if e["planned"] and e["measured"]],
+            "experiments": {e["name"]: {"status": e["status"], "planned_mib": _mib(e["planned"]),
+                                        "measured_mib": _mib(e["measured"]), "throughput": e["metric"],
+                                        "seconds": round(e["seconds"], 1)} for e in results["experiments"]},
             "config": str(where / "autotuning_results" / results["best"] / "ds_config.json")}
+
+
+def _mib(n: int | None) -> float | None:
+    return round(n / 2**20, 1) if n else None
+
+
+def pruning_agreement(guided: dict[str, Any], exhaustive: dict[str, Any], budget_mib: int) -> dict[str, Any]:
+    """The guided search's plan of every candidate against the peak the exhaustive search measured for it:
+    candidates the plan put over the budget that fit (lost), and under it that did not (run in vain)."""
+    lost, in_vain, pairs = [], [], []
+    for name, found in guided["experiments"].items():
+        measured = exhaustive["experiments"].get(name, {}).get("measured_mib")
+        planned = found["planned_mib"]
+        if planned is None or measured is None:
+            continue
+        pairs.append(planned / measured)
+        if planned > budget_mib >= measured:
+            lost.append(name)
+        if planned <= budget_mib < measured:
+            in_vain.append(name)
+    return {"candidates": len(pairs), "planned_over_measured_min": round(min(pairs), 3),
+            "planned_over_measured_max": round(max(pairs), 3), "pruned_but_fit": lost, "planned_to_fit_but_did_not": in_vain}
 
 
 def rerun(config_path: str, args: argparse.Namespace, work: Path, round_: int, name: str) -> float:
@@ -120,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "guided_over_exhaustive_throughput_in_search": round(
                       guided["best_throughput"] / exhaustive["best_throughput"], 3),
                   "guided_over_exhaustive_search_time": round(guided["seconds"] / exhaustive["seconds"], 3),
-                  "experiments_run": {"guided": guided["experiments_run"], "exhaustive": exhaustive["experiments_run"]}},
+                  "experiments_run": {"guided": guided["experiments_run"], "exhaustive": exhaustive["experiments_run"]},
+                  "plan_against_exhaustive_measurements": pruning_agreement(guided, exhaustive, args.budget_mib)},
               "environment": environment()}
     for found in (guided, exhaustive):
         found.pop("config")

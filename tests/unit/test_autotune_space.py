@@ -52,6 +52,7 @@ def test_offload_modes_follow_the_stage_and_move_the_least_first() -> None:
     assert overrides["zero_optimization.offload_param.nvme_path"] == "/nvme"
     assert parse_config(space.config(candidate, 1)).zero_optimization.offload_param.device == "nvme"
     assert candidate.name == "z3_tmbspg8_gas1_oonvme_opnvme"
+    assert space.tightest() == Candidate(3, 1, 8, "cpu", "cpu")  # the profiling run: least on the device, no disk
 
 
 def test_knobs_are_tuned_when_not_fast_or_when_listed() -> None:

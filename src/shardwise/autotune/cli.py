@@ -15,6 +15,7 @@ from ..config.autotuning import AutotuningConfig
 from ..config.parse import load_raw
 from ..launcher.cli import LaunchError, plan_launch, run_launch
 from ..launcher.flags import parse_launch_args
+from ..planner.changes import apply
 from ..planner.oom import FIT_SHARE
 from ..planner.plan import plan
 from ..profiling.units import binary_bytes
@@ -57,8 +58,7 @@ def _search(launch: Launch, space: Space, section: AutotuningConfig, dp_size: in
     planned: Callable[[Candidate], int | None] = lambda candidate: None  # noqa: E731
     budget = section.memory_per_rank
     if section.tuner_type == "model_based":
-        tightest = Candidate(max(space.stages), *space.micro_batches[0])
-        info = experiments.profile_model(tightest)
+        info = experiments.profile_model(space.tightest())
         planned = _planner(info, space, dp_size)
         budget = budget or int(FIT_SHARE * info.capacity_per_rank)
         _say(f"profiled the model: {info.shape.trainable / 1e6:.1f}M trainable parameters, "
@@ -85,11 +85,13 @@ def _search(launch: Launch, space: Space, section: AutotuningConfig, dp_size: in
 
 
 def _planner(info: ModelInfo, space: Space, dp_size: int) -> Callable[[Candidate], int | None]:
-    """A candidate's planned peak per rank: on the device, or device and host together on CPU (one memory)."""
+    """A candidate's planned peak per rank: on the device, or device and host together on CPU (one memory). It
+    is planned from the profiling run's config as the script passed it on (Hugging Face's "auto" values filled
+    in) with the candidate's settings over it."""
 
     def planned(candidate: Candidate) -> int | None:
         try:
-            cfg = parse_config(space.config(candidate, dp_size), dp_size=dp_size)
+            cfg = parse_config(apply(info.config, candidate.overrides(dp_size, space.nvme_path)), dp_size=dp_size)
         except ConfigError:
             return None
         memory = plan(info.shape, cfg, dp_size, info.activations)

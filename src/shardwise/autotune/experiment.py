@@ -41,6 +41,8 @@ class ModelInfo:
     activations: ActivationProfile
     capacity_per_rank: int
     device: str
+    config: dict[str, Any]
+    """The profiling run's config as its script passed it to the engine ("auto" values filled in)."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,7 @@ class Experiments:
         self.memory_per_rank = section.memory_per_rank
 
     def profile_model(self, candidate: Candidate) -> ModelInfo:
-        """The planner's inputs, from one step of `candidate` (the tightest config: the highest stage, the
-        smallest micro-batch)."""
+        """The planner's inputs, from one step of `candidate` (`Space.tightest`)."""
         path = self.results_dir / "model_info.json"
         if not path.is_file() or self.section.overwrite:
             autotuning = {"enabled": True, "model_info": {"profile": True}, "model_info_path": str(path.resolve())}
@@ -87,7 +88,8 @@ class Experiments:
                                       f"{reason or status}. Its output is in {self.results_dir / 'model_info'}/.")
         data = json.loads(path.read_text())
         return ModelInfo(ModelShape.from_json(data["shape"]), ActivationProfile.from_json(data["activations"]),
-                         int(data["capacity_per_rank"]), data["device"])
+                         int(data["capacity_per_rank"]), data["device"],
+                         {k: v for k, v in data["config"].items() if k != "autotuning"})
 
     def finished(self, candidate: Candidate) -> bool:
         """Whether an earlier search measured `candidate` (and `overwrite` does not ask to again)."""

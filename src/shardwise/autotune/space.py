@@ -106,6 +106,14 @@ class Space:
                 for micro, accumulation in self.micro_batches:
                     yield Candidate(stage, micro, accumulation, optimizer, params)
 
+    def tightest(self) -> Candidate:
+        """The candidate that needs the least memory on the device, for the profiling run: the highest stage,
+        the smallest micro-batch, the most offloaded to the host (not to disk, which is slow to set up)."""
+        stage = max(self.stages)
+        modes = self.offload_modes(stage)
+        optimizer, params = ([m for m in modes if "nvme" not in m] or modes)[-1]
+        return Candidate(stage, *self.micro_batches[0], optimizer, params)
+
     def knob_values(self, stage: int) -> dict[str, tuple[int, ...]]:
         return {k: v for k, v in self.knobs.items() if stage in KNOBS.get(k, (STAGES, ()))[0]}
 

@@ -89,10 +89,13 @@ class Trial:
                 "FLOPS_per_gpu": self._flops / steps / latency, "timed_steps": steps}
 
     def _worse_than_bound(self, step: int) -> bool:
-        metrics = self._metrics(step)
-        value, bound = _metric(metrics, self.section.metric), self.section.stop_below
+        """Rank 0's clock decides for all (ranks that disagreed would stop at different steps and hang)."""
+        value, bound = _metric(self._metrics(step), self.section.metric), self.section.stop_below
         assert bound is not None
-        return value > bound if self.section.metric == "latency" else value < bound
+        worse = torch.tensor([float(value > bound if self.section.metric == "latency" else value < bound)],
+                             device=self.device)
+        dist.broadcast(worse, src=0)
+        return bool(worse.item())
 
     def _peak(self) -> int | None:
         check = self.probe.check
@@ -123,9 +126,11 @@ class Trial:
         dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN)
         if self.rank == 0:
             path = self.section.model_info_path or "model_info.json"
+            # the config as the script handed it over: Hugging Face has filled its "auto" values by then
+            resolved = json.loads(json.dumps(dict(self.config.items()), default=str))
             write_json(path, {"shape": ModelShape.of(self.module).to_json(), "activations": activations.to_json(),
                               "capacity_per_rank": int(capacity_t.item()), "device": self.device.type,
-                              "dp_size": self.dp_size})
+                              "dp_size": self.dp_size, "config": resolved})
 
     def _stop(self) -> None:
         dist.barrier()

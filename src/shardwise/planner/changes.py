@@ -71,14 +71,17 @@ def single_changes(cfg: Config, dp_size: int) -> Iterator[Change]:
     for smaller in range(micro - 1, 0, -1):
         if micro % smaller == 0:
             yield micro_batch(cfg, smaller, dp_size)
-    nvme = {"nvme_path": zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path}
+    nvme_path = zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path  # None: the parser drops nvme
     for device in ("cpu", "nvme"):
-        extra = {f"zero_optimization.offload_optimizer.{k}": v for k, v in nvme.items() if v and device == "nvme"}
-        if zero.offload_optimizer.device != device:
-            yield Change({"zero_optimization.offload_optimizer.device": device, **extra},
-                         f"zero_optimization.offload_optimizer.device {zero.offload_optimizer.device} -> {device}")
-        if zero.offload_param.device != device:
-            param_extra = {k.replace("offload_optimizer", "offload_param"): v for k, v in extra.items()}
-            yield Change({"zero_optimization.stage": 3, "zero_optimization.offload_param.device": device, **param_extra},
-                         f"zero_optimization.offload_param.device {zero.offload_param.device} -> {device}"
-                         + (" (at stage 3)" if zero.stage != 3 else ""))
+        for section in ("offload_optimizer", "offload_param"):
+            current = getattr(zero, section).device
+            if current == device:
+                continue
+            overrides: dict[str, Any] = {f"zero_optimization.{section}.device": device}
+            if device == "nvme":
+                overrides[f"zero_optimization.{section}.nvme_path"] = nvme_path
+            at_stage3 = section == "offload_param" and zero.stage != 3
+            if at_stage3:
+                overrides["zero_optimization.stage"] = 3
+            yield Change(overrides, f"zero_optimization.{section}.device {current} -> {device}"
+                         + (" (at stage 3)" if at_stage3 else ""))

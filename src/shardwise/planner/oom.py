@@ -90,7 +90,7 @@ def explain(error: BaseException, facts: MemoryAtFailure, cfg: Config, dp_size: 
 def changes_that_fit(cfg: Config, dp_size: int, shape: ModelShape, facts: MemoryAtFailure) -> Iterator[tuple[Change, int]]:
     """Single changes that fit, in `single_changes`' order; then pairs of them."""
     singles = list(single_changes(cfg, dp_size))
-    pairs = (a + b for a, b in itertools.combinations(singles, 2))
+    pairs = (a + b for a, b in itertools.combinations(singles, 2) if not set(a.overrides) & set(b.overrides))
     seen: set[tuple[tuple[str, object], ...]] = set()
     for change in itertools.chain(singles, pairs):
         key = tuple(sorted(change.overrides.items()))

@@ -63,22 +63,28 @@ def main() -> None:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--gc", action="store_true", help="gradient checkpointing")
     p.add_argument("--ds_optimizer", action="store_true", help="optimizer/scheduler sections in the DeepSpeed config")
-    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
+    p.add_argument("--no-deepspeed", dest="use_deepspeed", action="store_false")
+    p.add_argument("--deepspeed", default=None, help="a DeepSpeed config file to use instead of the one built from "
+                                                     "the flags (as Hugging Face's example scripts take it)")
+    p.add_argument("--per_device_train_batch_size", type=int, default=2)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    ds_path = os.path.join(args.out, "ds_config.json")
-    with open(ds_path, "w") as f:
-        json.dump(ds_config(args), f)
+    ds_path = args.deepspeed or os.path.join(args.out, "ds_config.json")
+    if not args.deepspeed:
+        with open(ds_path, "w") as f:
+            json.dump(ds_config(args), f)
     base = base_model(args.base)
     training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=args.steps,
+        output_dir=args.out, per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.steps,
         learning_rate=1e-2, warmup_steps=1, logging_steps=1, save_steps=args.save_steps or args.steps,
         save_strategy="steps" if args.save_steps else "no", report_to=[], seed=0, data_seed=0,
-        deepspeed=ds_path if args.deepspeed else None, gradient_checkpointing=args.gc,
+        deepspeed=ds_path if args.use_deepspeed else None, gradient_checkpointing=args.gc,
         use_cpu=not torch.cuda.is_available())
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # rank 0 wrote the base model
