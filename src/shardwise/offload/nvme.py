@@ -96,10 +96,14 @@ class NvmeSwapper:
         length = padded if direct else nbytes
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,))
         fd = self._open(name, os.O_RDWR if write else os.O_RDONLY, direct)
-        buffer = memoryview(raw.numpy())
+        # [Note: swap buffers die with their last future] The pieces reach the buffer through `held`, which the
+        # last future clears: a worker thread keeps its finished task for a moment after the future is done, and
+        # a task holding the buffer itself would keep the tensor alive into the next step on a loaded machine.
+        held = {"buffer": memoryview(raw.numpy())}
+        del raw
 
         def piece(offset: int) -> None:
-            view = buffer[offset : min(offset + self.block, length)]
+            view = held["buffer"][offset : min(offset + self.block, length)]
             try:
                 done = os.pwrite(fd, view, offset) if write else os.preadv(fd, [view], offset)
             except OSError as e:
@@ -113,6 +117,7 @@ class NvmeSwapper:
 
         def close_when_done() -> None:
             concurrent.futures.wait(futures)
+            held.clear()
             os.close(fd)
 
         return [*futures, self.pool.submit(close_when_done)]
