@@ -55,14 +55,16 @@ def _check_alive(procs: list, outcomes: dict, results: mp.Queue) -> None:
                 raise RankFailure(f"rank {rank} died (exit code {p.exitcode}) without reporting") from None
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results in rank order."""
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    start_method: str = "fork", **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the per-rank results in rank order. CUDA tests
+    pass start_method="spawn" (a forked child cannot use CUDA once the parent has) and a module-level `fn`."""
     # torch.optim.Optimizer's constructor imports torch._dynamo on first use: 2-5 s of CPU per process, paid by
     # every rank of every test that builds an optimizer unless the parent has it before forking (a 37 s test
     # file of three runs took 6 s with it).
     import torch._dynamo  # noqa: F401
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, results, args, kwargs), daemon=True)
