@@ -1,7 +1,7 @@
 """The memory planner and the out-of-memory explainer on a CUDA device, world 1 (skipped without a GPU): the
 plan's device peak against torch's allocated peak over step 2 for every stage and offload mode, and a real
-CUDA out-of-memory (a micro-batch whose activations exceed the card) explained, whose first proposed change
-then trains. Each case runs in a spawned process of its own."""
+CUDA out-of-memory (a micro-batch whose activations exceed the card), alone and beside another engine,
+explained, whose first proposed change then trains. Each case runs in a spawned process of its own."""
 
 from __future__ import annotations
 
@@ -85,9 +85,16 @@ def test_planned_device_peak_within_ten_percent_of_measured_on_cuda(case: str, t
     assert abs(predicted / measured - 1) <= TOLERANCE, (case, predicted, measured)
 
 
-def _train(config: dict[str, Any]) -> dict[str, Any]:
+def _train(config: dict[str, Any], beside_gib: int = 0) -> dict[str, Any]:
     log = io.StringIO()
     logging.getLogger("shardwise").addHandler(logging.StreamHandler(log))
+    if beside_gib:  # another model's engine on the same GPU, as DeepSpeed-Chat keeps its reference model
+        import shardwise
+
+        with torch.device("cuda"):
+            model = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192, bias=False) for _ in range(beside_gib * 2)))
+        other, *_ = shardwise.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                         config={"train_micro_batch_size_per_gpu": 1})  # parameters + gradient buffer
     engine = _engine(config)
     try:
         for x, y in _batches(engine, config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]):
@@ -109,16 +116,20 @@ def _oom_config(micro: int, **overrides: Any) -> dict[str, Any]:
     return apply(base, overrides)
 
 
-def test_a_cuda_out_of_memory_is_explained_and_the_proposed_change_trains() -> None:
-    failed = run_distributed(_train, 1, _oom_config(512), timeout=300, start_method="spawn")[0]
+@pytest.mark.parametrize("beside_gib", [0, 16])
+def test_a_cuda_out_of_memory_is_explained_and_the_proposed_change_trains(beside_gib: int) -> None:
+    """With another engine holding 16 GiB on the GPU (its parameters and gradient buffer), the change proposed without it (micro-batch 256, ~65 GiB
+    planned, ~68 GiB measured) would run out of memory again."""
+    failed = run_distributed(_train, 1, _oom_config(512), beside_gib, timeout=300, start_method="spawn")[0]
     print(failed["log"])
     assert failed["error"] and "CUDA out of memory" in failed["error"]
     assert any("config changes that fit are in the log above" in n for n in failed["notes"])
     assert "[rank 0] out of memory on cuda:0 in the forward of micro-step 1 (step 1)" in failed["log"]
     assert "Changes that fit (planned peak per rank):" in failed["log"]
+    assert ("other engines hold on this device is left out" in failed["log"]) == bool(beside_gib)
     first = failed["fitting"][0]
     assert first["train_micro_batch_size_per_gpu"] < 512 and first["train_batch_size"] == 512
-    fitted = run_distributed(_train, 1, _oom_config(512, **first), timeout=300, start_method="spawn")[0]
+    fitted = run_distributed(_train, 1, _oom_config(512, **first), beside_gib, timeout=300, start_method="spawn")[0]
     print(first, fitted)
     assert fitted["error"] is None and fitted["steps"] == 1
     assert fitted["peak"] < fitted["capacity"]

@@ -105,3 +105,13 @@ def test_apply_sets_dotted_keys_and_leaves_the_original(overrides: dict, expecte
     raw = {"zero_optimization": {"stage": 1}}
     assert apply(raw, overrides) == expected
     assert raw == {"zero_optimization": {"stage": 1}}
+
+
+def test_what_other_engines_hold_is_named_and_left_out_of_the_capacity() -> None:
+    facts = MemoryAtFailure("forward of micro-step 1 (step 1)", 0, "cuda:0", _facts(GiB).held, 18 * GiB, 2 * GiB,
+                            "free on the device plus torch's unused cache", ACTS, "measured over a whole forward",
+                            on_cpu=False, other_engines=40 * GiB)
+    assert facts.capacity == 20 * GiB
+    text = explain(RuntimeError("CUDA out of memory."), facts, parse_config(RAW, dp_size=4), 4, SHAPE).text
+    assert "Capacity: 20.00 GiB per rank (18.00 GiB live at the failure + 2.00 GiB still free, bound by free on the " \
+           "device plus torch's unused cache; the 40.00 GiB other engines hold on this device is left out)" in text

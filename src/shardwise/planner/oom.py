@@ -36,7 +36,7 @@ class MemoryAtFailure:
     device: str
     held: MemoryBreakdown
     live: int
-    """Bytes allocated at the failure (see the note)."""
+    """Bytes allocated at the failure, less `other_engines` (see the note)."""
     headroom: int
     bound_by: str
     """What limits the headroom ("free on the device plus torch's unused cache", ...)."""
@@ -47,6 +47,8 @@ class MemoryAtFailure:
     on_cpu: bool
     host_capacity: int | None = None
     """Off CPU: host memory this rank may fill (its share of the available memory, plus what it holds)."""
+    other_engines: int = 0
+    """Device bytes the process's other engines hold there, which no change to this engine's config frees."""
 
     @property
     def capacity(self) -> int:
@@ -72,8 +74,10 @@ def explain(error: BaseException, facts: MemoryAtFailure, cfg: Config, dp_size: 
     current = plan(shape, cfg, dp_size, facts.activations)
     lines += [current.table(f"The plan of this config: {binary_bytes(_peak(current, facts))} per rank"),
               f"Capacity: {binary_bytes(facts.capacity)} per rank ({binary_bytes(facts.live)} live at the failure + "
-              f"{binary_bytes(facts.headroom)} still free, bound by {facts.bound_by}); a config fits when its planned "
-              f"peak is within {FIT_SHARE:.0%} of it."]
+              f"{binary_bytes(facts.headroom)} still free, bound by {facts.bound_by}"
+              + (f"; the {binary_bytes(facts.other_engines)} other engines hold on this device is left out"
+                 if facts.other_engines else "")
+              + f"); a config fits when its planned peak is within {FIT_SHARE:.0%} of it."]
     if _fits(current, facts):
         lines.append("The plan fits, so the memory went to something the planner does not count: tensors the model or "
                      "the training loop keeps (a large logits tensor, cached outputs), or other processes on the device.")

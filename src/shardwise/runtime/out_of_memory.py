@@ -8,6 +8,12 @@ keeps no count (and the process's mapped or resident bytes include the interpret
 the C allocator keeps after a free), so the live bytes are what the engine knows of: the model states and
 buffers the strategy holds, and the activations of the failing forward when it was the first (tracked)
 one, else those of a whole forward.
+
+[Note: other engines on one device] Several engines can share a GPU in one process (DeepSpeed-Chat's actor,
+critic, reference and reward models). A config change to the failing engine frees none of the others' memory,
+so on CUDA the model states and buffers the other live engines hold on that device are left out of what
+counts as live (their exact bytes, from their own breakdowns). Tensors the script allocated outside any
+engine stay counted: nothing here can tell them from this engine's temporaries.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -38,9 +45,27 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error) for s in _HOST_ALLOCATION_FAILED)
 
 
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+"""Every live engine of this process (see [Note: other engines on one device])."""
+
+
+def held_by_other_engines(engine: Engine) -> int:
+    """Device bytes of model states and buffers held by the process's other engines on `engine`'s device."""
+    total = 0
+    for other in list(_ENGINES):
+        if other is not engine and other.device == engine.device:
+            held = other.memory_breakdown()
+            if engine.device.type == "cpu":  # a CPU engine's device is the host
+                total += held.model_states_on_host + held.buffers.host
+            else:
+                total += held.model_states - held.model_states_on_host + held.buffers.device
+    return total
+
+
 class OutOfMemoryExplainer:
     def __init__(self, engine: Engine):
         self.engine = engine
+        _ENGINES.add(engine)
         self.last: Explanation | None = None
         """The explanation of the last out-of-memory error (its text and the changes that fit)."""
 
@@ -81,13 +106,14 @@ class OutOfMemoryExplainer:
             live_activations = tracker.partial
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         headroom = accelerator.memory_headroom(device)
-        host_capacity = None
+        host_capacity, others = None, 0
         if device.type == "cuda":
-            live = torch.cuda.memory_allocated(device)
+            others = held_by_other_engines(engine)
+            live = torch.cuda.memory_allocated(device) - others
             host_capacity = accelerator.memory_headroom(torch.device("cpu")).bytes // local_ranks + held.model_states_on_host
         else:  # see [Note: live bytes at an out-of-memory]
             live = held.model_states + held.buffers.total + live_activations
         where = f"{phase} of micro-step {engine.micro_steps + 1} (step {engine.global_steps + 1})"
         return MemoryAtFailure(where, engine.global_rank, str(device), held, live,
                                headroom.bytes // (local_ranks if headroom.shared else 1), headroom.bound_by, profile,
-                               note, device.type == "cpu", host_capacity)
+                               note, device.type == "cpu", host_capacity, others)
