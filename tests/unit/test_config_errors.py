@@ -9,11 +9,17 @@ import math
 import pytest
 import torch
 
-from shardwise.config import ConfigError, OptimizerConfig, SchedulerConfig, parse_config
+from shardwise.config import ConfigError, OptimizerConfig, SchedulerConfig, notes, parse_config
 from shardwise.optim.param_groups import check_model_parameters
 from shardwise.optim.registry import check_optimizer, check_scheduler
 
 BASE = {"train_micro_batch_size_per_gpu": 4}
+
+
+@pytest.fixture(autouse=True)
+def fresh_notes(monkeypatch):
+    """Config notes are logged once per process: each test here sees its own, whatever ran before it."""
+    monkeypatch.setattr(notes, "_given", set())
 
 CASES = [
     (
