@@ -60,6 +60,7 @@ CASES = {
     "stage3-bf16-micro2": dict(stage=3, bf16=True, micro=2),
     "stage3-tight-window": dict(stage=3, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0),
     "stage3-offload-cpu": dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
+    "stage3-offload-param-only": dict(stage=3, offload_param="cpu"),
     "stage3-offload-nvme": dict(stage=3, offload_optimizer="nvme", offload_param="nvme"),
 }
 

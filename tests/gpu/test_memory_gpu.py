@@ -68,6 +68,7 @@ CASES = {
     "stage3": dict(stage=3),
     "stage3-bf16-gas2": dict(stage=3, bf16=True, gas=2),
     "stage3-offload-cpu": dict(stage=3, optimizer="cpu", param="cpu"),
+    "stage3-offload-param-only": dict(stage=3, param="cpu"),
     "stage3-offload-nvme": dict(stage=3, optimizer="nvme", param="nvme"),
 }
 

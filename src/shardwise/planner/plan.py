@@ -84,7 +84,10 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
     grad_width = 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
     psi = shape.trainable
     opt_home, shard = zero.offload_optimizer.device, (n if stage >= 1 else 1)
-    masters = 4 * psi // shard if width == 2 or opt_home != "none" else 0
+    # fp32 parameters are their own masters, unless the optimizer or (at stage 3) the parameters move away
+    # from the device: then the optimizer's fp32 slice is a separate copy where the optimizer runs.
+    params_away = stage == 3 and zero.offload_param.device != "none"
+    masters = 4 * psi // shard if width == 2 or opt_home != "none" or params_away else 0
     parts = [
         *_parameters(shape, cfg, n, width),
         Part("gradients", device=grad_width * psi // (n if stage >= 2 else 1)),
