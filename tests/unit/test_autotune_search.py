@@ -38,11 +38,11 @@ class FakeMachine:
 
 
 def _search(budget: int, plan_error: int = 0, raw: dict | None = None, slow: set[str] = frozenset(),
-            **section: Any) -> tuple[Search, FakeMachine]:
+            refusal: Any = lambda c: None, **section: Any) -> tuple[Search, FakeMachine]:
     config = AutotuningConfig(**section)
     space = read_space({**RAW, **(raw or {})}, 2, config)
     machine = FakeMachine(budget, slow)
-    search = Search(space, config, machine.measure, lambda c: machine.peak(c) + plan_error, budget)
+    search = Search(space, config, machine.measure, lambda c: machine.peak(c) + plan_error, budget, refusal)
     search.run()
     return search, machine
 
@@ -113,3 +113,35 @@ def test_knobs_are_tuned_one_at_a_time_around_the_best() -> None:
                                      "z3_tmbspg8_gas1_stage3_max_reuse_distance1e+09"]
     assert search.best is not None and dict(search.best.candidate.knobs) == {
         "zero_optimization.stage3_max_reuse_distance": 1_000_000_000}
+
+
+def test_a_refused_candidate_is_never_run_and_the_search_goes_on_without_it() -> None:
+    def no_host_for_offload(c: Candidate) -> str | None:
+        return "its host part is over 90% of the host memory a rank has" if c.offload_optimizer != "none" else None
+
+    search, machine = _search(budget=500, refusal=no_host_for_offload, tuner_early_stopping=100)
+    refused = [o for o in search.outcomes if o.candidate.offload_optimizer != "none"]
+    assert refused and all(o.status == PRUNED for o in refused)
+    assert {o.reason for o in refused} == {"planned over the budget", "its host part is over 90% of the host memory a rank has"}
+    fits_the_budget = next(o for o in refused if o.candidate.name == "z1_tmbspg4_gas2_oocpu")  # 100 + 400
+    assert fits_the_budget.reason == "its host part is over 90% of the host memory a rank has"
+    assert not any("oocpu" in name for name in machine.measured)
+    assert search.best is not None and search.best.candidate.name == "z3_tmbspg4_gas2"  # it needed no offload
+
+
+def test_the_planner_refuses_offloads_the_host_cannot_hold_off_cpu_only() -> None:
+    from shardwise.autotune.cli import _planner
+    from shardwise.autotune.experiment import ModelInfo
+    from shardwise.planner import ActivationProfile, ModelShape
+
+    config = AutotuningConfig()
+    raw = {**RAW, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": ["none", "cpu"]}}}
+    space = read_space(raw, 2, config)
+    shape = ModelShape(trainable=100_000_000, module_sizes=(10_000_000,) * 10)
+    acts = ActivationProfile(saved_bytes=2**28, micro_batch=1, compute_bytes=4)
+    offloaded = Candidate(3, 1, 8, "cpu")  # ~600 MiB of master weights and Adam state on the host per rank
+    for device, host, refused in (("cuda", 2**29, True), ("cuda", 2**32, False), ("cpu", None, False)):
+        planned, refusal = _planner(ModelInfo(shape, acts, 2**34, device, RAW, host), space, 2)
+        assert planned(offloaded) is not None
+        assert (refusal(offloaded) is not None) == refused, (device, host)
+        assert refusal(Candidate(3, 1, 8)) is None  # nothing offloaded: nothing on the host

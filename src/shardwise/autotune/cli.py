@@ -4,6 +4,7 @@ search.py) with a few steps per experiment, write the results, and with `run` tr
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -17,11 +18,11 @@ from ..launcher.cli import LaunchError, plan_launch, run_launch
 from ..launcher.flags import parse_launch_args
 from ..planner.changes import apply
 from ..planner.oom import FIT_SHARE
-from ..planner.plan import plan
+from ..planner.plan import MemoryPlan, plan
 from ..profiling.units import binary_bytes
 from .experiment import ExperimentError, Experiments, Launch, ModelInfo
 from .results import write_results
-from .search import Outcome, Search
+from .search import Outcome, Plan, Refusal, Search
 from .space import Candidate, Space, SpaceError, read_space
 
 def main(argv: Sequence[str] | None = None, prog: str = "shardwise autotune") -> int:
@@ -55,16 +56,17 @@ def tune(argv: list[str], mode: str, prog: str) -> int:
 def _search(launch: Launch, space: Space, section: AutotuningConfig, dp_size: int, mode: str) -> int:
     started = time.monotonic()
     experiments = Experiments(launch, space, section, dp_size)
-    planned: Callable[[Candidate], int | None] = lambda candidate: None  # noqa: E731
+    planned: Plan = lambda candidate: None  # noqa: E731
+    refusal: Refusal = lambda candidate: None  # noqa: E731
     budget = section.memory_per_rank
     if section.tuner_type == "model_based":
         info = experiments.profile_model(space.tightest())
-        planned = _planner(info, space, dp_size)
+        planned, refusal = _planner(info, space, dp_size)
         budget = budget or int(FIT_SHARE * info.capacity_per_rank)
         _say(f"profiled the model: {info.shape.trainable / 1e6:.1f}M trainable parameters, "
              f"{binary_bytes(info.activations.saved_bytes)} of activations for a micro-batch of "
              f"{info.activations.micro_batch}; budget {binary_bytes(budget)} per rank")
-    search = Search(space, section, _reporting(experiments), planned, budget)
+    search = Search(space, section, _reporting(experiments), planned, budget, refusal)
     outcomes = search.run()
     best = search.best
     optimal = space.config(best.candidate, dp_size) if best else None
@@ -84,20 +86,34 @@ def _search(launch: Launch, space: Space, section: AutotuningConfig, dp_size: in
     return 0
 
 
-def _planner(info: ModelInfo, space: Space, dp_size: int) -> Callable[[Candidate], int | None]:
+def _planner(info: ModelInfo, space: Space, dp_size: int) -> tuple[Plan, Refusal]:
     """A candidate's planned peak per rank: on the device, or device and host together on CPU (one memory). It
     is planned from the profiling run's config as the script passed it on (Hugging Face's "auto" values filled
-    in) with the candidate's settings over it."""
+    in) with the candidate's settings over it. Off CPU, a candidate whose host part would not fit in the host
+    memory a rank has is refused, as the out-of-memory explainer refuses to propose it."""
 
-    def planned(candidate: Candidate) -> int | None:
+    @functools.cache
+    def memory(candidate: Candidate) -> MemoryPlan | None:
         try:
             cfg = parse_config(apply(info.config, candidate.overrides(dp_size, space.nvme_path)), dp_size=dp_size)
         except ConfigError:
             return None
-        memory = plan(info.shape, cfg, dp_size, info.activations)
-        return memory.peak_total if info.device == "cpu" else memory.peak_device
+        return plan(info.shape, cfg, dp_size, info.activations)
 
-    return planned
+    def planned(candidate: Candidate) -> int | None:
+        planned = memory(candidate)
+        if planned is None:
+            return None
+        return planned.peak_total if info.device == "cpu" else planned.peak_device
+
+    def refusal(candidate: Candidate) -> str | None:
+        planned, host = memory(candidate), info.host_capacity_per_rank
+        if planned is None or host is None or planned.peak_host <= FIT_SHARE * host:
+            return None
+        return (f"its host part ({binary_bytes(planned.peak_host)} per rank) is over {FIT_SHARE:.0%} of the host "
+                f"memory a rank has ({binary_bytes(host)})")
+
+    return planned, refusal
 
 
 def _reporting(experiments: Experiments) -> Callable[[Candidate, float | None], Outcome]:

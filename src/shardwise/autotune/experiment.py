@@ -43,6 +43,8 @@ class ModelInfo:
     device: str
     config: dict[str, Any]
     """The profiling run's config as its script passed it to the engine ("auto" values filled in)."""
+    host_capacity_per_rank: int | None = None
+    """Off CPU: the host memory one rank may fill with what it offloads (None on CPU, where it is the device)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Experiments:
         data = json.loads(path.read_text())
         return ModelInfo(ModelShape.from_json(data["shape"]), ActivationProfile.from_json(data["activations"]),
                          int(data["capacity_per_rank"]), data["device"],
-                         {k: v for k, v in data["config"].items() if k != "autotuning"})
+                         {k: v for k, v in data["config"].items() if k != "autotuning"},
+                         data.get("host_capacity_per_rank"))
 
     def finished(self, candidate: Candidate) -> bool:
         """Whether an earlier search measured `candidate` (and `overwrite` does not ask to again)."""

@@ -54,11 +54,15 @@ class Outcome:
 
 Measure = Callable[[Candidate, "float | None"], Outcome]
 Plan = Callable[[Candidate], "int | None"]
+Refusal = Callable[[Candidate], "str | None"]
+"""Why a candidate cannot run whatever the device budget (its offload over the host's memory, say), or None."""
 
 
 class Search:
-    def __init__(self, space: Space, section: AutotuningConfig, measure: Measure, plan: Plan, budget: int | None):
+    def __init__(self, space: Space, section: AutotuningConfig, measure: Measure, plan: Plan, budget: int | None,
+                 refusal: Refusal = lambda candidate: None):
         self.space, self.section, self._measure, self._plan, self.budget = space, section, measure, plan, budget
+        self._refusal = refusal
         self.outcomes: list[Outcome] = []
         self.best: Outcome | None = None
         self._misses = 0
@@ -133,11 +137,9 @@ class Search:
         where measured, by measurement, for the modes that move more."""
         runnable = []
         for candidate in line:
-            planned = self._plan(candidate)
-            if planned is None:
-                self.skip(candidate, PRUNED, None, "the config is refused (see `shardwise plan`)")
-            elif self.budget is not None and planned > self.budget:
-                self.skip(candidate, PRUNED, planned, "planned over the budget")
+            planned, pruned = self._pruned(candidate)
+            if pruned:
+                self.skip(candidate, PRUNED, planned, pruned)
             elif candidate.micro in fitted:
                 self.skip(candidate, DOMINATED, planned, "fits with less offloaded")
             else:
@@ -177,8 +179,17 @@ class Search:
                 candidate = center.with_knobs({**dict(center.knobs), key: value})
                 if candidate == center or any(o.candidate == candidate for o in self.outcomes):
                     continue
-                planned = self._plan(candidate)
-                if planned is None or (self.budget is not None and planned > self.budget):
-                    self.skip(candidate, PRUNED, planned, "planned over the budget")
+                planned, pruned = self._pruned(candidate)
+                if pruned:
+                    self.skip(candidate, PRUNED, planned, pruned)
                     continue
                 self.measure(candidate, planned)
+
+    def _pruned(self, candidate: Candidate) -> tuple[int | None, str | None]:
+        """The candidate's planned peak, and why the plan rules it out (None where it may run)."""
+        planned = self._plan(candidate)
+        if planned is None:
+            return None, "the config is refused (see `shardwise plan`)"
+        if self.budget is not None and planned > self.budget:
+            return planned, "planned over the budget"
+        return planned, self._refusal(candidate)

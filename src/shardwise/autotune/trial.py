@@ -121,15 +121,18 @@ class Trial:
         peak = self._activations_peak()
         width = 2 if (self.config.fp16.enabled or self.config.bf16.enabled) else 4
         activations = ActivationProfile(peak or 0, self.config.train_micro_batch_size_per_gpu, compute_bytes=width)
-        capacity = accelerator.memory_capacity(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        capacity_t = torch.tensor([capacity], dtype=torch.float64, device=self.device)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        host = torch.device("cpu")
+        capacities = [accelerator.memory_capacity(self.device, local_ranks), accelerator.memory_capacity(host, local_ranks)]
+        capacity_t = torch.tensor(capacities, dtype=torch.float64, device=self.device)
         dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN)
         if self.rank == 0:
             path = self.section.model_info_path or "model_info.json"
             # the config as the script handed it over: Hugging Face has filled its "auto" values by then
             resolved = json.loads(json.dumps(dict(self.config.items()), default=str))
             write_json(path, {"shape": ModelShape.of(self.module).to_json(), "activations": activations.to_json(),
-                              "capacity_per_rank": int(capacity_t.item()), "device": self.device.type,
+                              "capacity_per_rank": int(capacity_t[0].item()), "device": self.device.type,
+                              "host_capacity_per_rank": None if self.device.type == "cpu" else int(capacity_t[1].item()),
                               "dp_size": self.dp_size, "config": resolved})
 
     def _stop(self) -> None:
