@@ -101,16 +101,16 @@ def _planner(info: ModelInfo, space: Space, dp_size: int) -> tuple[Plan, Refusal
         return plan(info.shape, cfg, dp_size, info.activations)
 
     def planned(candidate: Candidate) -> int | None:
-        planned = memory(candidate)
-        if planned is None:
+        peaks = memory(candidate)
+        if peaks is None:
             return None
-        return planned.peak_total if info.device == "cpu" else planned.peak_device
+        return peaks.peak_total if info.device == "cpu" else peaks.peak_device
 
     def refusal(candidate: Candidate) -> str | None:
-        planned, host = memory(candidate), info.host_capacity_per_rank
-        if planned is None or host is None or planned.peak_host <= FIT_SHARE * host:
+        peaks, host = memory(candidate), info.host_capacity_per_rank
+        if peaks is None or host is None or peaks.peak_host <= FIT_SHARE * host:
             return None
-        return (f"its host part ({binary_bytes(planned.peak_host)} per rank) is over {FIT_SHARE:.0%} of the host "
+        return (f"its host part ({binary_bytes(peaks.peak_host)} per rank) is over {FIT_SHARE:.0%} of the host "
                 f"memory a rank has ({binary_bytes(host)})")
 
     return planned, refusal

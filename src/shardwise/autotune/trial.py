@@ -122,8 +122,7 @@ class Trial:
         width = 2 if (self.config.fp16.enabled or self.config.bf16.enabled) else 4
         activations = ActivationProfile(peak or 0, self.config.train_micro_batch_size_per_gpu, compute_bytes=width)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        host = torch.device("cpu")
-        capacities = [accelerator.memory_capacity(self.device, local_ranks), accelerator.memory_capacity(host, local_ranks)]
+        capacities = [accelerator.memory_capacity(device, local_ranks) for device in (self.device, torch.device("cpu"))]
         capacity_t = torch.tensor(capacities, dtype=torch.float64, device=self.device)
         dist.all_reduce(capacity_t, op=dist.ReduceOp.MIN)
         if self.rank == 0:
