@@ -109,9 +109,9 @@ def train_steps(engine: Any, start: int, steps: int) -> list[float]:
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
     for step in range(start, start + steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for m in range(accum):
-            loss = engine(*micro_batch(step, m, rank, micro, accum, world))
+            loss = engine(*(t.to(engine.device) for t in micro_batch(step, m, rank, micro, accum, world)))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -127,11 +127,12 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     import shardwise
 
     with shardwise.zero.GatheredParameters(list(engine.module.parameters())):
-        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
 
 
 def engine_run(config: dict[str, Any], steps: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
-    """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine."""
+    """Train TinyNet with shardwise on this rank; return losses (mean over the global batch), params, engine.
+    The batches go to the engine's device (CUDA in tests/gpu); the parameters come back on the CPU."""
     import shardwise
 
     model = make_model()
