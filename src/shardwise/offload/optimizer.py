@@ -7,7 +7,7 @@ step. There is no `if offload:` outside this package.
 - `OnDevice`: masters stay where the parameters are; one optimizer step.
 - `HostOffload` (device "cpu"): masters and state in host memory, stepped by the CPU optimizer in
   sub-groups of `sub_group_size` elements. The gradients of sub-group k+1 are copied to the host
-  (asynchronously on a GPU) while sub-group k is updated, and the updated 16-bit parameters of k go
+  (asynchronously on a GPU, on a copy stream of their own) while sub-group k is updated, and the updated 16-bit parameters of k go
   back to the device while k+1 is updated.
 - `NvmeOffload` (device "nvme"): as host offload, with masters and state in swap files between
   steps; the next sub-group is read while the current one is updated, and each updated sub-group is
@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..config.sections import AioConfig, OffloadOptimizerConfig
+from .copies import CopyStream
 from .nvme import NvmeSwapper, aligned_empty
 
 WriteBack = Callable[[int], None]
@@ -74,6 +75,7 @@ class HostOffload(OnDevice):
     def __init__(self, cfg: OffloadOptimizerConfig, sub_group_size: int):
         self.pin = cfg.pin_memory and torch.cuda.is_available()
         self.sub_group_size = sub_group_size
+        self.copies = CopyStream(self.pin)
 
     def home(self, values: torch.Tensor) -> torch.nn.Parameter:
         host = torch.empty(values.shape, dtype=torch.float32, pin_memory=self.pin)
@@ -81,13 +83,9 @@ class HostOffload(OnDevice):
         return torch.nn.Parameter(host)
 
     def _to_host(self, grads: list[torch.Tensor], indices: list[int]) -> tuple[list[torch.Tensor], object]:
-        """Start copying these gradients to the host; returns them and an event to wait on (GPU)."""
-        host = [grads[i].to("cpu", torch.float32, non_blocking=self.pin) for i in indices]
-        event = None
-        if grads and grads[0].is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return host, event
+        """Start copying these gradients to the host (on the copy stream, [Note: copy-stream ordering]); returns
+        them and an event to wait on before reading them (None when the copies are done)."""
+        return self.copies.to_host([grads[i] for i in indices], torch.float32)
 
     def step(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], grads: list[torch.Tensor],
              write_back: WriteBack) -> None:

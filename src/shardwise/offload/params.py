@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 
 from ..config.sections import AioConfig, OffloadParamConfig
+from .copies import CopyStream
 from .nvme import NvmeSwapper, aligned_empty
 
 
@@ -42,6 +43,7 @@ class ParamsOnHost(ParamsOnDevice):
 
     def __init__(self, cfg: OffloadParamConfig):
         self.pin = cfg.pin_memory and torch.cuda.is_available()
+        self.copies = CopyStream(self.pin)
 
     def keep(self, index: int, shard: torch.Tensor) -> torch.Tensor:
         host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
@@ -49,7 +51,8 @@ class ParamsOnHost(ParamsOnDevice):
         return host
 
     def fetch(self, index: int, kept: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return kept.to(device, non_blocking=self.pin, copy=True)
+        """On the copy stream when pinned ([Note: copy-stream ordering]): it overlaps the compute queued before."""
+        return self.copies.to_device(kept, device)
 
 
 class ParamsOnNvme(ParamsOnDevice):
