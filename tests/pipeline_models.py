@@ -52,7 +52,10 @@ def layer_specs(blocks: int = 6, tied: bool = False) -> list[Any]:
 
 
 def loss_fn(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(outputs, labels)
+    """The loss in fp32: bf16/fp16 outputs are cast to the labels' dtype first. torch 2.13's mse_loss promotes
+    mixed dtypes the same way (bit-identical loss and gradients), but torch 2.11's mse_loss backward fails on
+    them ("Found dtype Float but expected BFloat16", pytorch/pytorch#36553)."""
+    return torch.nn.functional.mse_loss(outputs.to(labels.dtype), labels)
 
 
 class Oracle(torch.nn.Module):
