@@ -115,7 +115,7 @@ def train(engine: Any, steps: int = STEPS, start: int = 0, fixed: bool = False) 
     micro = GLOBAL // dp
     losses, norms = [], []
     for step in range(start, start + steps):
-        ids = batch(step, fixed)[dp_rank * micro : (dp_rank + 1) * micro]
+        ids = batch(step, fixed)[dp_rank * micro : (dp_rank + 1) * micro].to(engine.device)
         loss = loss_of(engine, ids)
         engine.backward(loss)
         engine.step()

@@ -36,8 +36,11 @@ def ds_config(args: argparse.Namespace) -> dict:
 
 
 class Tokens(torch.utils.data.Dataset):
+    def __init__(self, samples: int = 64) -> None:
+        self.samples = samples
+
     def __len__(self) -> int:
-        return 64
+        return self.samples
 
     def __getitem__(self, i: int) -> dict:
         ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
@@ -52,6 +55,21 @@ def base_model(path: str) -> str:
                              tie_word_embeddings=False)
         LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def placement(trainer: Trainer) -> dict | None:
+    """Where shardwise's engine keeps the trained state: its device, where the stage-3 parameter slices and the
+    optimizer's masters live (None under the real DeepSpeed or without one)."""
+    engine = trainer.model_wrapped
+    strategy = getattr(engine, "strategy", None)
+    if strategy is None:
+        return None
+    tensors = strategy.model_state_tensors()
+    slices = [u.shard for u in getattr(strategy, "units", []) if not u.persistent and u.shard.numel()]
+    return {"engine": torch.device(engine.device).type,
+            "offloaded": [tensors.optimizer_offloaded, tensors.params_offloaded],
+            "slices": sorted({t.device.type for t in slices}),
+            "masters": sorted({m.device.type for m in tensors.masters if m.numel()})}
 
 
 def main() -> None:
@@ -69,6 +87,7 @@ def main() -> None:
     p.add_argument("--per_device_train_batch_size", type=int, default=2)
     p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--samples", type=int, default=64, help="the dataset's size (4: one batch, seen at every step)")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--local_rank", type=int, default=-1)
@@ -89,6 +108,8 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # rank 0 wrote the base model
     model = LlamaForCausalLM.from_pretrained(base)
+    devices = set()  # where the forward computed
+    model.register_forward_hook(lambda module, inputs, out: devices.add(out.logits.device.type))
     if args.lora:
         from peft import LoraConfig, get_peft_model
         from transformers import set_seed
@@ -96,14 +117,16 @@ def main() -> None:
         set_seed(0)  # the adapter's random init, alike on every rank and in every run
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0))
-    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(args.samples))
     trainer.train(resume_from_checkpoint=args.resume)
     final = os.path.join(args.out, "final")
     trainer.save_model(final)
     if int(os.environ.get("RANK", 0)) == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         print("RESULT " + json.dumps({"losses": [h["loss"] for h in logs], "steps": [h["step"] for h in logs],
-                                      "grad_norms": [h.get("grad_norm") for h in logs], "saved": sorted(os.listdir(final))}),
+                                      "grad_norms": [h.get("grad_norm") for h in logs],
+                                      "saved": sorted(os.listdir(final)), "devices": sorted(devices),
+                                      "placement": placement(trainer)}),
               flush=True)
 
 
