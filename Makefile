@@ -23,7 +23,7 @@ DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test test-deepspeed clean finetune-demo
+.PHONY: install deepspeed-compat demo test test-deepspeed test-gpu clean finetune-demo
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
@@ -66,6 +66,26 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 		tests/unit/test_deepspeed_parity_optim.py tests/unit/test_deepspeed_parity_curriculum.py \
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat
+
+# The device suite, on a lent GPU machine (README, "The device suite"): installs shardwise and the compat package
+# for real into the image's Python beside its torch (no network there: pydantic comes from .whl/, which
+# tools/fetch_device_wheels.sh fills here and the device call carries), then runs tests/gpu on CUDA. The JUnit XML
+# and a JSON summary (machine, versions, commit, each test) go to $$OUT, where the device tool collects them. Past
+# GPU_TIMEOUT seconds pytest is interrupted (SIGINT), so the XML still holds what ran.
+# A dry run here: make test-gpu GPU_PYTHON=.venv/bin/python GPU_INSTALL=0 (the CUDA-only tests skip).
+GPU_PYTHON ?= python3
+GPU_INSTALL ?= 1
+GPU_OUT ?= $(if $(OUT),$(OUT),runs/test-gpu)
+GPU_TIMEOUT ?= 280
+test-gpu:
+	@mkdir -p "$(GPU_OUT)"
+	@test "$(GPU_INSTALL)" != 1 || test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "test-gpu: .whl/ is empty: run \
+		tools/fetch_device_wheels.sh here and name .whl in the device call's carry" >&2; exit 2; }
+	$(if $(filter 1,$(GPU_INSTALL)),$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index \
+		--find-links .whl --no-build-isolation . ./compat/deepspeed)
+	status=0; timeout -s INT -k 30 $(GPU_TIMEOUT) $(GPU_PYTHON) -m pytest tests/gpu -q -rs -p no:cacheprovider \
+		--junitxml="$(GPU_OUT)/test-gpu.xml" || status=$$?; \
+	$(GPU_PYTHON) tools/gpu_report.py "$(GPU_OUT)/test-gpu.xml" --out "$(GPU_OUT)/test-gpu.json"; exit $$status
 
 clean:
 	rm -rf $(VENV) $(DS_VENV) checkpoints runs .pytest_cache

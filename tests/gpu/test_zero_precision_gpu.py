@@ -18,15 +18,33 @@ MICRO, ACCUM = 2, 2
 INITIAL_SCALE_POWER = 24
 
 
-def _run(config: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor], str, set]:
-    losses, params, engine = engine_run(config, STEPS)
-    return losses, params, device_of(engine), {p.dtype for p in engine.module.parameters()}
+FP32 = {stage: ds_config(MICRO, ACCUM, clip=1.0, zero_optimization={"stage": stage}) for stage in (0, 1, 2, 3)}
+HALF = {(stage, dtype): ds_config(MICRO, ACCUM, clip=1.0, zero_optimization={"stage": stage},
+                                  **{dtype: {"enabled": True} if dtype == "bf16" else {"enabled": True, "initial_scale_power": 8}})
+        for stage in (0, 1, 2, 3) for dtype in ("bf16", "fp16")}
+OVERFLOW_STAGES = (0, 2, 3)
+
+
+def _sweep() -> dict[Any, Any]:
+    """Every run of this module in one process (on CUDA a process start costs seconds of the suite's budget)."""
+    results: dict[Any, Any] = {}
+    for key, config in [*FP32.items(), *HALF.items()]:
+        losses, params, engine = engine_run(config, STEPS)
+        results[key] = (losses, params, device_of(engine), {p.dtype for p in engine.module.parameters()})
+        engine.destroy()
+    for stage in OVERFLOW_STAGES:
+        results["overflow", stage] = _real_overflow(stage)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[Any, Any]:
+    return on_device(_sweep, timeout=600)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp32_zero_stage_matches_the_oracle(stage: int) -> None:
-    config = ds_config(MICRO, ACCUM, clip=1.0, zero_optimization={"stage": stage})
-    losses, params, device, _ = on_device(_run, config)
+def test_fp32_zero_stage_matches_the_oracle(stage: int, runs: dict[Any, Any]) -> None:
+    losses, params, device, _ = runs[stage]
     assert device == DEVICE
     ref_losses, ref_params = oracle(STEPS, MICRO * ACCUM, clip=1.0)
     assert_close_run(losses, params, ref_losses, ref_params, rtol=1e-5)
@@ -34,10 +52,8 @@ def test_fp32_zero_stage_matches_the_oracle(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_half_precision_zero_stage_trains_close_to_the_oracle(stage: int, dtype: str) -> None:
-    half = {"enabled": True} if dtype == "bf16" else {"enabled": True, "initial_scale_power": 8}
-    config = ds_config(MICRO, ACCUM, clip=1.0, zero_optimization={"stage": stage}, **{dtype: half})
-    losses, _, device, dtypes = on_device(_run, config)
+def test_half_precision_zero_stage_trains_close_to_the_oracle(stage: int, dtype: str, runs: dict[Any, Any]) -> None:
+    losses, _, device, dtypes = runs[stage, dtype]
     assert device == DEVICE and dtypes == {torch.bfloat16 if dtype == "bf16" else torch.float16}
     ref_losses, _ = oracle(STEPS, MICRO * ACCUM, clip=1.0)
     # bf16 keeps 8 mantissa bits, fp16 11: the forward's activations round at ~4e-3 (bf16) and ~5e-4 (fp16)
@@ -70,9 +86,9 @@ def _real_overflow(stage: int) -> list[tuple[bool, bool, float]]:
     return record
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_fp16_real_overflow_skips_steps_and_lowers_the_scale(stage: int) -> None:
-    record = on_device(_real_overflow, stage)
+@pytest.mark.parametrize("stage", OVERFLOW_STAGES)
+def test_fp16_real_overflow_skips_steps_and_lowers_the_scale(stage: int, runs: dict[Any, Any]) -> None:
+    record = runs["overflow", stage]
     applied = [r[0] for r in record]
     assert not applied[0], "2**24 times the gradient fits fp16: the overflow this test needs never happened"
     assert [r[1] for r in record] == applied, "parameters must move on applied steps and only on them"

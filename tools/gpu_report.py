@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""The device suite's result as JSON (`make test-gpu` writes it beside the JUnit XML): the machine, the versions,
+the commit, and each test's outcome and duration, so that benchmarks/results/gpu/ keeps what ran where.
+
+    python3 tools/gpu_report.py JUNIT_XML [--out FILE]
+
+The commit is `git rev-parse HEAD` where the tree has its .git, else $SHARDWISE_COMMIT (the device machine gets
+the working tree without .git: the session names the commit in the command it sends)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("SHARDWISE_COMMIT", "unknown (no .git here and SHARDWISE_COMMIT unset)")
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    for name in ("shardwise", "deepspeed", "transformers", "peft", "accelerate", "pydantic"):
+        try:
+            from importlib.metadata import version
+
+            env[name] = version(name)
+        except Exception:  # noqa: BLE001 - not installed is an answer too
+            env[name] = None
+    return env
+
+
+def outcomes(junit: Path) -> list[dict[str, Any]]:
+    cases = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(kinds[0] if kinds else "", "passed")
+        entry = {"id": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                 "seconds": round(float(case.get("time") or 0), 2)}
+        if kinds:
+            entry["message"] = (case.find(kinds[0]).get("message") or "")[:500]
+        cases.append(entry)
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("junit", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    cases = outcomes(args.junit) if args.junit.exists() else []
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    report = {"suite": "make test-gpu", "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), **environment(), "counts": counts, "seconds": round(sum(c["seconds"] for c in cases), 1),
+              "tests": cases}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(json.dumps({k: report[k] for k in ("commit", "device", "torch", "counts", "seconds")}))
+
+
+if __name__ == "__main__":
+    main()
