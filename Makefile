@@ -23,7 +23,7 @@ DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test test-deepspeed test-gpu clean finetune-demo
+.PHONY: install deepspeed-compat demo test test-deepspeed gpu-install test-gpu clean finetune-demo
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
@@ -77,12 +77,14 @@ GPU_PYTHON ?= python3
 GPU_INSTALL ?= 1
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/test-gpu)
 GPU_TIMEOUT ?= 280
-test-gpu:
-	@mkdir -p "$(GPU_OUT)"
-	@test "$(GPU_INSTALL)" != 1 || test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "test-gpu: .whl/ is empty: run \
+gpu-install:
+	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "gpu-install: .whl/ is empty: run \
 		tools/fetch_device_wheels.sh here and name .whl in the device call's carry" >&2; exit 2; }
-	$(if $(filter 1,$(GPU_INSTALL)),$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index \
-		--find-links .whl --no-build-isolation . ./compat/deepspeed)
+	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --find-links .whl --no-build-isolation \
+		. ./compat/deepspeed
+
+test-gpu: $(if $(filter 1,$(GPU_INSTALL)),gpu-install)
+	@mkdir -p "$(GPU_OUT)"
 	status=0; timeout -s INT -k 30 $(GPU_TIMEOUT) $(GPU_PYTHON) -m pytest tests/gpu -q -rs -p no:cacheprovider \
 		--junitxml="$(GPU_OUT)/test-gpu.xml" || status=$$?; \
 	$(GPU_PYTHON) tools/gpu_report.py "$(GPU_OUT)/test-gpu.xml" --out "$(GPU_OUT)/test-gpu.json"; exit $$status
