@@ -250,6 +250,19 @@ def test_old_offload_flags_and_pin_memory():
     assert (zero.offload_param.device, zero.offload_param.pin_memory) == ("cpu", True)
 
 
+@pytest.mark.parametrize("flag,value,fix", [
+    ("cpu_offload", "yes", 'the offload_optimizer section ({"device": "cpu"})'),
+    ("cpu_offload_param", 1, 'the offload_param section ({"device": "cpu"})'),
+    ("cpu_offload_use_pin_memory", "true", "pin_memory in the offload sections"),
+])
+def test_old_offload_flags_that_are_not_booleans_are_refused(flag, value, fix):
+    """A string or number there used to mean off without a word."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({**BASE, "zero_optimization": {"stage": 3, flag: value}})
+    assert info.value.problems == [f"zero_optimization.{flag}: must be true or false; got {value!r}. Write true or "
+                                   f"false, or use {fix} instead."]
+
+
 def test_offload_param_below_stage3_is_ignored_with_a_note(caplog):
     cfg = parse_config({**BASE, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
     assert cfg.zero_optimization.offload_param.device == "none"

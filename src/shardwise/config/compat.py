@@ -35,7 +35,7 @@ def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
         _move(raw, alias, target, problems)
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
-        _old_offload_flags(zero)
+        _old_offload_flags(zero, problems)
         _stage3_keys_below_stage3(zero)
 
 
@@ -79,8 +79,22 @@ def _node(raw: dict[str, Any], parts: list[str], create: bool = False) -> dict[s
     return node if isinstance(node, dict) else None
 
 
-def _old_offload_flags(zero: dict[str, Any]) -> None:
-    for flag, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+_OLD_FLAGS = (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
+_NEW_SPELLING = {"cpu_offload": 'the offload_optimizer section ({"device": "cpu"})',
+                 "cpu_offload_param": 'the offload_param section ({"device": "cpu"})',
+                 "cpu_offload_use_pin_memory": "pin_memory in the offload sections"}
+
+
+def _old_offload_flags(zero: dict[str, Any], problems: list[str]) -> None:
+    """DeepSpeed's old booleans. Anything but true, false, null or "auto" is refused: a string such as "yes"
+    would otherwise mean off without a word."""
+    for flag, replacement in _NEW_SPELLING.items():
+        value = zero.get(flag)
+        if not (value is None or isinstance(value, bool) or value == "auto"):
+            zero.pop(flag)
+            problems.append(f"zero_optimization.{flag}: must be true or false; got {value!r}. Write true or false, "
+                            f"or use {replacement} instead.")
+    for flag, section in _OLD_FLAGS:
         if flag in zero and zero.pop(flag) is True:
             zero.setdefault(section, {"device": "cpu"})
     pin = zero.pop("cpu_offload_use_pin_memory", None)
