@@ -45,6 +45,31 @@ def test_resume_mid_epoch_continues_exactly():
     assert head + _ids(resumed) == whole
 
 
+def test_resume_from_the_end_of_an_epoch_reads_the_next_epoch():
+    """A checkpoint saved when an epoch was read to its end: the resumed loader's first pass is the next epoch
+    (it used to yield no batch at all, and a tutorial loop ended having trained nothing)."""
+    finished = DistributedLoader(DATA, 4, 0, 2, seed=1, drop_last=True)
+    _ids(finished)
+    state = finished.state_dict()
+    expected = DistributedLoader(DATA, 4, 0, 2, seed=1, drop_last=True)
+    expected.set_epoch(1)
+    for layout in ((4, 2), (3, 2), (4, 1)):  # the same layout, and others: every one has nothing left of epoch 0
+        resumed = DistributedLoader(DATA, *layout[:1], 0, layout[1], seed=1, drop_last=True)
+        resumed.load_state_dict(state)
+        ids = _ids(resumed)
+        assert resumed.epoch == 1 and len(ids) == len(resumed) * layout[0] > 0
+        if layout == (4, 2):
+            assert ids == _ids(expected)
+    assert state == {"epoch": 0, "consumed": 40, "seed": 1, "dataset_size": 40}
+
+
+def test_a_resume_with_a_partial_batch_left_still_reads_it():
+    partial = DistributedLoader(DATA, 4, 0, 2, seed=1)
+    resumed = DistributedLoader(DATA, 4, 0, 2, seed=1)
+    resumed.load_state_dict({**partial.state_dict(), "consumed": 36})  # 4 samples left: 2 per rank
+    assert resumed.epoch == 0 and len(_ids(resumed)) == 2
+
+
 def test_repeating_loader_moves_to_the_next_epoch():
     loader = DistributedLoader(DATA, 4, 0, 2, seed=1)
     repeating = RepeatingLoader(loader)

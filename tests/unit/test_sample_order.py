@@ -125,12 +125,17 @@ def test_drop_last_cuts_the_tail_of_the_resumed_epoch():
 
 def test_a_checkpoint_after_the_epochs_last_batch_resumes_into_the_next_epoch():
     """The last round holds the padding (41 samples over 3 ranks: one repeated); once it is read the epoch is
-    finished, whatever layout resumes, so the padded repeat is never read twice nor taken as a position."""
+    finished, whatever layout resumes, so the padded repeat is never read twice nor taken as a position, and
+    the resumed loader's first pass (plain iteration or a RepeatingLoader) is the next epoch."""
     first = _loaders(41, 3, 2)
     _read(first, 7)  # all 7 micro-batches per rank: 42 positions, the last one padding
     state = first[0].state_dict()
     assert state["consumed"] == 41
-    assert _read(_loaders(41, 2, 1, state=state))[0] == [[], []]
+    direct = _loaders(41, 2, 1, state=state)
+    per_rank = _read(direct)[0]  # the first pass after the resume is epoch 1, whole (it used to yield nothing)
+    order = epoch_order(41, 5, 1)
+    assert direct[0].epoch == 1 and [len(batches) for batches in per_rank] == [21, 21]
+    assert [batches[0] for batches in per_rank] == [[order[0]], [order[1]]]
     resumed = _loaders(41, 2, 1, state=state)
     repeating = RepeatingLoader(resumed[0])
     assert next(repeating)[0].tolist() == [epoch_order(41, 5, 1)[0]]

@@ -87,6 +87,14 @@ class DistributedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_at = self._resume_at, 0
+        if start and self._batches_from(start) == 0:
+            # A checkpoint taken at the end of an epoch: nothing of it is left to read at this layout, and a
+            # pass that yields no batch would let a training loop end having trained nothing. The pass reads
+            # the next epoch, as DeepSpeed's fresh loader does.
+            logger.info("data_loader: the resumed epoch %d was already read to its end; this pass reads epoch %d.",
+                        self.epoch, self.epoch + 1)
+            self.set_epoch(self.epoch + 1)
+            start = 0
         self.sampler.start = self.consumed = start
         total = len(self.loader)
         for read, batch in enumerate(self.loader, 1):
@@ -94,6 +102,11 @@ class DistributedLoader:
                                            self.dataset_size)
             yield batch
         self.consumed = self.dataset_size
+
+    def _batches_from(self, position: int) -> int:
+        """Micro-batches per rank left in the epoch once `position` samples of it are consumed."""
+        share = share_size(self.dataset_size - position, self.dp_size, self.drop_last)
+        return batch_count(share, self.micro_batch_size, self.drop_last)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "dataset_size": self.dataset_size}
