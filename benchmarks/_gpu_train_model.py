@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 ADAMW = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 CLIP = 1.0  # the same for every config, the floor included (DeepSpeed's default too)
+DEEPSPEED_VERSION = "0.19.8"  # the peer: what tools/fetch_device_wheels.sh puts into .whl/peer/
 
 FLOPS_FORMULA = ("model flops per token = 6 * N_matmul + 12 * layers * hidden * seq (PaLM's appendix B: forward + "
                  "backward of every weight matrix, plus QK^T and AV counted without the causal half); N_matmul is "
@@ -62,8 +63,10 @@ TINY = Shape("tiny", 64, 2, 4, 172, vocab=256)
 LADDER = (DEFAULT, Shape("2.7b", 2560, 32, 20, 6912), Shape("3.5b", 4096, 16, 32, 11008),
           Shape("5.1b", 4096, 24, 32, 11008), Shape("6.7b", 4096, 32, 32, 11008), Shape("8.4b", 4096, 40, 32, 11008),
           Shape("10b", 4096, 48, 32, 11008), Shape("13b", 5120, 40, 40, 13824))
-TINY_LADDER = (TINY, Shape("tiny-4l", 64, 4, 4, 172, 256), Shape("tiny-w128", 128, 4, 4, 344, 256),
-               Shape("tiny-w256", 256, 4, 4, 688, 256), Shape("tiny-w512", 512, 4, 8, 1376, 256))
+TINY_LADDER = (TINY, Shape("tiny-w256", 256, 4, 4, 688, 256), Shape("tiny-w512", 512, 4, 8, 1376, 256),
+               Shape("tiny-w512-8l", 512, 8, 8, 1376, 256), Shape("tiny-w768", 768, 8, 12, 2064, 256))
+"""--tiny --largest: 0.1M to 57M parameters, large enough that the model states, not a process's fixed
+overhead, decide what fits under the pretend capacities (_gpu_train_largest.TINY_CAPACITY)."""
 
 
 def shape_from_json(data: dict[str, Any]) -> Shape:
