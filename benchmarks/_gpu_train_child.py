@@ -9,9 +9,11 @@ losses, peak memory, which optimizer ran). Two more modes: `probe` (the device, 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,10 @@ def _import_library(spec: dict[str, Any]) -> Any:
         return None
     import shardwise
 
+    src = Path(__file__).resolve().parent.parent / "src"
+    if Path(shardwise.__file__).resolve().parent.parent != src:
+        raise RuntimeError(f"shardwise from {shardwise.__file__}: expected this tree's {src}; PYTHONPATH must "
+                           "start with it")
     return shardwise
 
 
@@ -140,7 +146,8 @@ def train(spec: dict[str, Any], lib: Any) -> dict[str, Any]:
         _sync(device)
         times.append(time.perf_counter() - started)
     return {**facts, "config": spec["config"], "shape": shape.name, "parameters": shape.parameters,
-            "model_build_seconds": model_build_seconds, "activation_checkpointing": bool(model.is_gradient_checkpointing),
+            "model_build_seconds": model_build_seconds,
+            "activation_checkpointing": bool(model.is_gradient_checkpointing),
             "losses": losses, "warmup_seconds": times[: spec["warmup"]], "step_seconds": times[spec["warmup"]:],
             **_peaks(device)}
 
@@ -200,6 +207,7 @@ def _cap_memory(cap_bytes: int) -> None:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's ask for stacks before it kills a hang
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(spec["port"]))
     started = time.perf_counter()
@@ -219,6 +227,9 @@ def main() -> None:
     else:
         result = train(spec, lib)
     print("RESULT " + json.dumps({**result, "import_seconds": import_seconds}), flush=True)
+    # Out without the interpreter's teardown (NCCL, the allocator's tens of GiB, DeepSpeed's atexit hooks):
+    # the driver frees all of it when the process ends, and the next config waits for that end.
+    os._exit(0)
 
 
 if __name__ == "__main__":

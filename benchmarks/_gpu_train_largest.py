@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from _gpu_train_model import LADDER, TINY_LADDER, Shape, hf_config, library_config
-from _gpu_train_runner import REPO, Children, Guard, OpBuild, host_floor_guard, log
+from _gpu_train_report import environment
+from _gpu_train_runner import REPO, Children, Guard, OpBuild, describe, host_floor_guard, log
 
 FIT_SHARE = 0.9
 TINY_CAPACITY = {"device": 128 * 2**20, "host": 300 * 2**20}
@@ -97,11 +98,11 @@ class Ladder:
 
     def attempt(self, library: str, index: int) -> dict[str, Any]:
         shape = self.ladder[index]
-        result = self.children.run(f"{library}-3-offload", {**self.spec, "shape": shape.to_json(), "warmup": 0,
-                                                            "steps": 2}, min(self.timeout, self.left()), self.guards)
+        result = self.children.run(f"{library}-3-offload", {**self.spec, "shape": shape.to_json()},
+                                   min(self.timeout, self.left()), self.guards)
         keep = ("status", "reason", "returncode", "stderr_tail", "losses", "step_seconds", "peak_memory_bytes",
                 "peak_host_bytes", "init_seconds", "op_load_seconds", "optimizer", "version", "seconds")
-        log(f"{library} {shape.name}: {result['status']}")
+        log(f"{library} {shape.name}: {describe(result)}")
         return {"shape": shape.name, "parameters": shape.parameters, **{k: result[k] for k in keep if k in result}}
 
     def walk(self, library: str, start: int, down_only: bool = False) -> list[dict[str, Any]]:
@@ -126,37 +127,43 @@ def _largest_ok(tried: list[dict[str, Any]]) -> str | None:
 def largest(children: Children, spec: dict[str, Any], args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "src"))  # the planner of this tree, whatever else is installed
     ladder = TINY_LADDER if args.tiny else LADDER
-    spec = {**spec, "micro": 1, "checkpointing": True, "build_bf16": spec["device"] == "cuda" and spec["bf16"],
+    spec = {**spec, "micro": 1, "warmup": 0, "steps": 2, "checkpointing": True,
+            "build_bf16": spec["device"] == "cuda" and spec["bf16"],
             "memory_cap_bytes": sum(TINY_CAPACITY.values()) + TINY_OVERHEAD if args.tiny else None}
     build = OpBuild(children, spec, not args.no_prebuild)  # compiles while shardwise's rung runs
     probe = children.run("probe", spec, 120.0)
     if probe["status"] != "ok":
         return {"probe": probe, "deepspeed_op_build": build.close()}
     capacity = capacities(probe, args.tiny)
-    report: dict[str, Any] = {"device": probe["device"], "torch": probe["torch"], "cuda": probe["cuda"],
-                              "largest_spec": spec, "capacity_bytes": capacity, "fit_share": FIT_SHARE}
     rows = plan_ladder(ladder, spec, capacity)
-    report["planned_ladder"] = rows
+    report: dict[str, Any] = {**environment(probe), "largest_spec": spec, "capacity_bytes": capacity,
+                              "fit_share": FIT_SHARE, "planned_ladder": rows}
     fitting = [i for i, row in enumerate(rows) if row["fits"]]
-    if not fitting:
-        report.update(shardwise={"predicted": None, "note": "the planner fits no rung"},
-                      deepspeed_op_build=build.close())
-        return report
-    guards = (host_floor_guard(int(args.host_floor_gib * 2**30)),)
-    runs = Ladder(children, ladder, spec, args.timeout, deadline, guards)
-    best = fitting[-1]
+    if fitting:
+        guards = (host_floor_guard(int(args.host_floor_gib * 2**30)),)
+        runs = Ladder(children, ladder, spec, args.timeout, deadline, guards)
+        report.update(search(runs, rows, fitting[-1], build, args))
+    else:
+        report["shardwise"] = {"predicted": None, "note": "the planner fits no rung"}
+    return {**report, "deepspeed_op_build": build.close()}
+
+
+def search(runs: Ladder, rows: list[dict[str, Any]], best: int, build: OpBuild, args: argparse.Namespace
+           ) -> dict[str, Any]:
+    """shardwise at the planner's answer (down while it fails), DeepSpeed from shardwise's largest, then the
+    rung the planner refused, if time is left."""
     confirmed = runs.walk("shardwise", best, down_only=True)
     sw_largest = _largest_ok(confirmed)
-    start = next((i for i, s in enumerate(ladder) if s.name == sw_largest), best)
-    build.wait(deadline)
-    deepspeed = runs.walk("deepspeed", start) if children.has_deepspeed else []
-    above = best + 1 if best + 1 < len(ladder) else None
+    start = next((i for i, s in enumerate(runs.ladder) if s.name == sw_largest), best)
+    build.wait(runs.deadline)
+    has_deepspeed = runs.children.has_deepspeed
+    deepspeed = runs.walk("deepspeed", start) if has_deepspeed else []
+    above = best + 1 if best + 1 < len(runs.ladder) else None
     refused: dict[str, Any] = {"rung": rows[above] if above is not None else None}
     if above is not None and not args.skip_refused and runs.left() > (20 if args.tiny else REFUSED_MIN_LEFT):
         refused["tried"] = runs.attempt("shardwise", above)
-    report.update(shardwise={"predicted": ladder[best].name, "planner_right": bool(confirmed) and
-                             confirmed[0]["status"] == "ok", "largest": sw_largest, "tried": confirmed,
-                             "next_rung": refused},
-                  deepspeed={"tried": deepspeed, "largest": _largest_ok(deepspeed)} if children.has_deepspeed else
-                  {"skipped": "DeepSpeed is not available"}, deepspeed_op_build=build.close())
-    return report
+    return {"shardwise": {"predicted": runs.ladder[best].name, "largest": sw_largest,
+                          "planner_right": bool(confirmed) and confirmed[0]["status"] == "ok", "tried": confirmed,
+                          "next_rung": refused},
+            "deepspeed": {"tried": deepspeed, "largest": _largest_ok(deepspeed)} if has_deepspeed else
+            {"skipped": "DeepSpeed is not available"}}

@@ -24,7 +24,7 @@ SPEC_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), 
 
 CONFIGS = ("floor", "shardwise-0", "deepspeed-0", "shardwise-1", "deepspeed-1", "shardwise-2", "deepspeed-2",
            "shardwise-3", "deepspeed-3", "shardwise-3-offload", "deepspeed-3-offload")
-"""Pairs in turn, the offloaded (slowest, and DeepSpeed's op build) last: a run cut short by its budget loses whole
+"""Pairs in turn, the offloaded (slowest) last: a run cut short by its budget loses whole
 pairs from the end."""
 
 

@@ -17,6 +17,7 @@ Writes $OUT/gpu_train.json (gpu_train_largest.json) on the device, else benchmar
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in every config")
     p.add_argument("--bf16", choices=("on", "off"), default="on",
                    help="bf16 compute with fp32 masters (on; --tiny too: the CPU runs it), or fp32 throughout")
-    p.add_argument("--timeout", type=float, default=90.0, help="seconds a config may run before it is recorded "
+    p.add_argument("--timeout", type=float, help="seconds a config may run before it is recorded "
                    "as hung (default 90; 300 with --largest)")
     p.add_argument("--budget", type=float, help="seconds for the whole run; configs it leaves no time for are "
                    "recorded as skipped (default 175; 480 with --largest; 900 with --tiny)")
@@ -80,6 +81,8 @@ def setup(args: argparse.Namespace) -> tuple[Children, dict[str, Any], float]:
     logs = REPO / "runs" / "gpu_train" / f"logs-{time.strftime('%Y%m%d-%H%M%S')}"
     children = Children(site, args.deepspeed_python, logs)
     log(f"budget {budget:.0f}s; DeepSpeed: {site or args.deepspeed_python or 'not available'}; child logs in {logs}")
+    if importlib.util.find_spec("pydantic") is None:  # shardwise's one need beyond torch
+        log("pydantic is not importable: shardwise's children will fail; run `make gpu-install` first")
     return children, {"budget_seconds": budget, "deepspeed_from": site or args.deepspeed_python,
                       "child_logs": str(logs)}, started + budget
 
@@ -96,34 +99,42 @@ def train_configs(args: argparse.Namespace, children: Children, spec: dict[str, 
         return {**spec, "shape": shape.to_json(), "steps": steps}
 
     def before(config: str) -> None:
-        if config.startswith("deepspeed") and "offload" in config:
+        if "offload" in config:  # the op's compile must not share the host's cores with either CPU Adam
             build.wait(deadline)
 
-    results = run_in_turn(children, ["probe", *configs], spec_of, args.timeout, deadline, not args.no_overlap,
+    def timeout_of(config: str) -> float:  # the probe (a CUDA start and 13 products) gets a minute whatever
+        return max(args.timeout, 60.0) if config == "probe" else args.timeout
+
+    results = run_in_turn(children, ["probe", *configs], spec_of, timeout_of, deadline, not args.no_overlap,
                           before, (host_floor_guard(int(args.host_floor_gib * 2**30)),))
     probe = results.pop(0)
     if probe["status"] != "ok":  # no device: nothing below means anything
         return {"probe": probe, "results": results, "deepspeed_op_build": build.close()}
-    peak = spec_tflops(probe["device"]) if spec["bf16"] else None
-    report = {**environment(probe), "shape": shape.to_json(), "spec": spec, "flops_formula": FLOPS_FORMULA,
-              "matmul_tflops_measured": float(f"{probe['matmul_tflops']:.4g}"), "matmul": f"{probe['matmul_size']}^3 "
-              f"{probe['matmul_dtype']}", "spec_tflops": peak, "overlap": not args.no_overlap,
-              "deepspeed_op_build": build.close()}
-    if not spec["bf16"]:
-        report["precision_note"] = "fp32 compute (--bf16 off): MFU is against the measured fp32 matmul rate"
-    if args.tiny:
-        report["tiny_note"] = ("--tiny: the CPU with gloo, bf16 modules and bf16 autocast on the CPU as on the "
-                               "GPU; it proves the flow, its figures measure nothing")
-    report.update(summarize(results, shape, spec, probe["matmul_tflops"], peak), results=results)
+    report = head(args, probe, spec) | {"deepspeed_op_build": build.close()}
+    report.update(summarize(results, shape, spec, probe["matmul_tflops"], report["spec_tflops"]), results=results)
     for row in table(results):
         log(row)
     return report
 
 
+def head(args: argparse.Namespace, probe: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """What the figures are of: the machine, the commit, the model, the run's settings, the rates MFU uses."""
+    shape = TINY if args.tiny else DEFAULT
+    report = {**environment(probe), "shape": shape.to_json(), "spec": spec, "flops_formula": FLOPS_FORMULA,
+              "matmul_tflops_measured": float(f"{probe['matmul_tflops']:.4g}"),
+              "matmul": f"{probe['matmul_size']}^3 {probe['matmul_dtype']}",
+              "spec_tflops": spec_tflops(probe["device"]) if spec["bf16"] else None, "overlap": not args.no_overlap}
+    if not spec["bf16"]:
+        report["precision_note"] = "fp32 compute (--bf16 off): MFU is against the measured fp32 matmul rate"
+    if args.tiny:
+        report["tiny_note"] = ("--tiny: the CPU with gloo, bf16 modules and bf16 autocast on the CPU as on the "
+                               "GPU; it proves the flow, its figures measure nothing")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.largest and args.timeout == 90.0:
-        args.timeout = 300.0
+    args.timeout = args.timeout or (300.0 if args.largest else 90.0)
     children, facts, deadline = setup(args)
     spec = base_spec(args)
     report: dict[str, Any] = {"benchmark": "gpu_train_largest" if args.largest else "gpu_train", "tiny": args.tiny,
