@@ -27,8 +27,9 @@ learns differently (another update rule, precision or clipping), beyond the roun
 
 
 def commit() -> dict[str, Any]:
-    """The tree's commit: git where .git came along, else $SHARDWISE_COMMIT, else a `.commit` file (the device
-    machine gets the working tree without .git)."""
+    """The tree's commit: git where .git came along, else $SHARDWISE_COMMIT, else the stamp
+    tools/fetch_device_wheels.sh writes into .whl/commit.txt (the device machine gets the tree without .git, and
+    .whl with it)."""
     try:
         if (REPO / ".git").exists():  # else git would answer for whatever repository holds this folder
             head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
@@ -39,10 +40,10 @@ def commit() -> dict[str, Any]:
         pass
     if os.environ.get("SHARDWISE_COMMIT"):
         return {"commit": os.environ["SHARDWISE_COMMIT"], "commit_from": "SHARDWISE_COMMIT"}
-    marker = REPO / ".commit"
+    marker = REPO / ".whl" / "commit.txt"
     if marker.exists():
-        return {"commit": marker.read_text().strip(), "commit_from": ".commit"}
-    return {"commit": None, "commit_from": "unknown: no .git, SHARDWISE_COMMIT or .commit"}
+        return {"commit": marker.read_text().strip(), "commit_from": ".whl/commit.txt"}
+    return {"commit": None, "commit_from": "unknown: no .git, SHARDWISE_COMMIT or .whl/commit.txt"}
 
 
 def environment(probe: dict[str, Any]) -> dict[str, Any]:

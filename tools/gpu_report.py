@@ -3,33 +3,25 @@
 the commit, and each test's outcome and duration, so that benchmarks/results/gpu/ keeps what ran where.
 
     python3 tools/gpu_report.py JUNIT_XML [--out FILE]
+    python3 tools/gpu_report.py --env        # the machine, versions and commit alone (make test-gpu's first line)
 
-The commit is `git rev-parse HEAD` where the tree has its .git, else $SHARDWISE_COMMIT (the device machine gets
-the working tree without .git: the session names the commit in the command it sends)."""
+The commit is `git rev-parse HEAD` where the tree has its .git, else $SHARDWISE_COMMIT, else .whl/commit.txt (the
+device machine gets the working tree without .git; tools/fetch_device_wheels.sh stamps that file here, and the
+device call carries it in .whl)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SHARDWISE_COMMIT", "unknown (no .git here and SHARDWISE_COMMIT unset)")
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _gpu_train_report import commit  # noqa: E402 - one answer to "which commit ran", for the suite and the benchmark
 
 
 def environment() -> dict[str, Any]:
@@ -38,7 +30,9 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        props = torch.cuda.get_device_properties(0)
+        env.update(nccl=".".join(map(str, torch.cuda.nccl.version())), driver=driver(),
+                   device_memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}")
     for name in ("shardwise", "deepspeed", "transformers", "peft", "accelerate", "pydantic"):
         try:
             from importlib.metadata import version
@@ -64,12 +58,16 @@ def outcomes(junit: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit", type=Path)
+    parser.add_argument("junit", type=Path, nargs="?")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--env", action="store_true", help="print the machine, versions and commit, and stop")
     args = parser.parse_args()
+    if args.env or args.junit is None:
+        print("test-gpu environment:", json.dumps({"commit": commit(), **environment()}), flush=True)
+        return
     cases = outcomes(args.junit) if args.junit.exists() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    report = {"suite": "make test-gpu", "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+    report = {"suite": "make test-gpu", **commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), **environment(), "counts": counts, "seconds": round(sum(c["seconds"] for c in cases), 1),
               "tests": cases}
     text = json.dumps(report, indent=1)
