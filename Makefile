@@ -68,26 +68,33 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat
 
 # The device suite, on a lent GPU machine (README, "The device suite"): installs shardwise and the compat package
-# for real into the image's Python beside its torch (no network there: pydantic comes from .whl/, which
-# tools/fetch_device_wheels.sh fills here and the device call carries), then runs tests/gpu on CUDA. The JUnit XML
-# and a JSON summary (machine, versions, commit, each test) go to $$OUT, where the device tool collects them. Past
-# GPU_TIMEOUT seconds pytest is interrupted (SIGINT), so the XML still holds what ran.
+# for real into the image's Python beside its torch 2.11 (no network there: pydantic comes from .whl/, which
+# tools/fetch_device_wheels.sh fills here and the device call carries), prints the machine, the versions and the
+# commit, then runs tests/gpu on CUDA. The JUnit XML and a JSON summary (machine, versions, commit, each test) go
+# to $$OUT, where the device tool collects them (runs/test-gpu/ where OUT is unset). Past GPU_TIMEOUT seconds pytest
+# is interrupted (SIGINT), so the XML still holds what ran; the whole target stays under 5 minutes on an H100.
 # A dry run here: make test-gpu GPU_PYTHON=.venv/bin/python GPU_INSTALL=0 (the CUDA-only tests skip).
 GPU_PYTHON ?= python3
 GPU_INSTALL ?= 1
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/test-gpu)
-GPU_TIMEOUT ?= 280
+GPU_TIMEOUT ?= 270
 gpu-install:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "gpu-install: .whl/ is empty: run \
 		tools/fetch_device_wheels.sh here and name .whl in the device call's carry" >&2; exit 2; }
-	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --find-links .whl --no-build-isolation \
-		. ./compat/deepspeed
+	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index \
+		--find-links .whl --no-build-isolation . ./compat/deepspeed
+	@# What Hugging Face transformers and accelerate will see: the compat package under the name `deepspeed`.
+	$(GPU_PYTHON) -c "import deepspeed, shardwise; from transformers.integrations import is_deepspeed_available; \
+		assert deepspeed.__version__.endswith('+shardwise') and is_deepspeed_available(), deepspeed.__file__; \
+		print('gpu-install: deepspeed', deepspeed.__version__, 'and shardwise from', shardwise.__file__)"
 
 test-gpu: $(if $(filter 1,$(GPU_INSTALL)),gpu-install)
 	@mkdir -p "$(GPU_OUT)"
+	@$(GPU_PYTHON) tools/gpu_report.py --env
 	status=0; timeout -s INT -k 30 $(GPU_TIMEOUT) $(GPU_PYTHON) -m pytest tests/gpu -q -rs -p no:cacheprovider \
 		--junitxml="$(GPU_OUT)/test-gpu.xml" || status=$$?; \
-	$(GPU_PYTHON) tools/gpu_report.py "$(GPU_OUT)/test-gpu.xml" --out "$(GPU_OUT)/test-gpu.json"; exit $$status
+	$(GPU_PYTHON) tools/gpu_report.py "$(GPU_OUT)/test-gpu.xml" --out "$(GPU_OUT)/test-gpu.json" \
+		--status $$status; exit $$status
 
 clean:
 	rm -rf $(VENV) $(DS_VENV) checkpoints runs .pytest_cache
