@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from shardwise.distributed.env import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -31,12 +32,6 @@ TAIL_CHARS = 3000
 
 def log(message: str) -> None:
     print(f"[gpu_train {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def meminfo_bytes(key: str) -> int:

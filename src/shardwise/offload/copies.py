@@ -23,7 +23,7 @@ import torch
 
 
 class CopyStream:
-    """One side stream per device for offload traffic; `None` streams (no pinning, no CUDA) copy in place."""
+    """One side stream per device for offload traffic; without pinned buffers or CUDA, plain copies."""
 
     def __init__(self, pinned: bool):
         self.pinned = pinned and torch.cuda.is_available()

@@ -7,8 +7,8 @@ step. There is no `if offload:` outside this package.
 - `OnDevice`: masters stay where the parameters are; one optimizer step.
 - `HostOffload` (device "cpu"): masters and state in host memory, stepped by the CPU optimizer in
   sub-groups of `sub_group_size` elements. The gradients of sub-group k+1 are copied to the host
-  (asynchronously on a GPU, on a copy stream of their own) while sub-group k is updated, and the updated 16-bit parameters of k go
-  back to the device while k+1 is updated.
+  (asynchronously on a GPU, on a copy stream of their own) while sub-group k is updated, and the updated
+  16-bit parameters of k go back to the device while k+1 is updated.
 - `NvmeOffload` (device "nvme"): as host offload, with masters and state in swap files between
   steps; the next sub-group is read while the current one is updated, and each updated sub-group is
   written back asynchronously.

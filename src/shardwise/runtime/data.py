@@ -82,8 +82,7 @@ class DistributedLoader:
 
     def __len__(self) -> int:
         """Micro-batches per rank in a whole epoch."""
-        share = share_size(self.dataset_size, self.dp_size, self.drop_last)
-        return batch_count(share, self.micro_batch_size, self.drop_last)
+        return self._batches_from(0)
 
     def __iter__(self) -> Iterator[Any]:
         start, self._resume_at = self._resume_at, 0
