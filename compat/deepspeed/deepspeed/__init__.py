@@ -19,6 +19,8 @@ from shardwise.runtime.engine import Engine as DeepSpeedEngine  # noqa: E402
 
 from . import accelerator, checkpoint, checkpointing, comm, compression, module_inject, moe, ops, runtime, utils, zero  # noqa: E402
 from .inference import InferenceEngine, init_inference  # noqa: E402
+from .module_inject import replace_transformer_layer  # noqa: E402
+from .ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer  # noqa: E402
 from .pipe import PipelineModule  # noqa: E402
 from .runtime.pipe.engine import PipelineEngine  # noqa: E402
 from .runtime.tensor_parallel import tp_model_init  # noqa: E402
@@ -31,7 +33,9 @@ __git_branch__ = None
 dist = None  # DeepSpeed fills this with deepspeed.comm in initialize(); kept for scripts that read it
 
 __all__ = [
-    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "InferenceEngine", "OnDevice", "PipelineEngine", "PipelineModule", "__version__",
-    "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "init_inference",
-    "initialize", "log_dist", "logger", "module_inject", "moe", "ops", "runtime", "tp_model_init", "utils", "zero",
+    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer", "InferenceEngine", "OnDevice", "PipelineEngine", "PipelineModule", "__version__",
+    "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator",
+    "init_distributed", "init_inference", "initialize", "log_dist", "logger", "module_inject", "moe", "ops",
+    "replace_transformer_layer", "runtime", "tp_model_init", "utils", "zero",
 ]

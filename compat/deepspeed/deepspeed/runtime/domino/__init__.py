@@ -1,0 +1,3 @@
+from . import transformer
+
+__all__ = ["transformer"]
