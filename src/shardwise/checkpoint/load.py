@@ -53,16 +53,21 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     return str(reader.path), meta["client_state"]
 
 
-def _model_names(module: torch.nn.Module) -> set[str]:
-    """The whole model's parameter names: every rank's, since a pipeline stage holds only its own layers."""
+def _model_names(module: torch.nn.Module) -> dict[str, bool]:
+    """The whole model's parameter names, each with whether it trains: every rank's, since a pipeline stage
+    holds only its own layers."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(n for n, _ in module.named_parameters()))
-    return {name for names in gathered for name in names}
+    dist.all_gather_object(gathered, sorted((n, p.requires_grad) for n, p in module.named_parameters()))
+    trains: dict[str, bool] = {}
+    for names in gathered:
+        for name, requires_grad in names:
+            trains[name] = trains.get(name, False) or requires_grad
+    return trains
 
 
-def _check_names(reader: CheckpointReader, model: set[str], strict: bool) -> None:
+def _check_names(reader: CheckpointReader, model: dict[str, bool], strict: bool) -> None:
     saved = set(reader.meta["params"])
-    missing, unexpected = sorted(model - saved), sorted(saved - model)
+    missing, unexpected = sorted(set(model) - saved), sorted(saved - set(model))
     if strict and (missing or unexpected):
         why = (" It was saved with exclude_frozen_parameters=True, so its frozen parameters are not in it."
                if reader.meta.get("frozen_parameters_excluded") else "")
@@ -70,8 +75,19 @@ def _check_names(reader: CheckpointReader, model: set[str], strict: bool) -> Non
             f"{reader.path}: parameters do not match the model (load_module_strict=True). Missing from the "
             f"checkpoint: {missing[:20]}; in the checkpoint but not the model: {unexpected[:20]}.{why} Pass "
             "load_module_strict=False to load the matching ones.")
+    if dist.get_rank() != 0:  # every rank has the whole model's names: one report for the job
+        return
+    # A checkpoint saved with exclude_frozen_parameters=True (Hugging Face's Trainer asks for it with a peft
+    # model) leaves out exactly the frozen parameters: their absence is the design, not a loss worth a warning.
+    by_design = [n for n in missing if not model[n]] if reader.meta.get("frozen_parameters_excluded") else []
+    missing = [n for n in missing if n not in set(by_design)]
+    if by_design:
+        count = f"{len(by_design)} frozen parameters were" if len(by_design) > 1 else "1 frozen parameter was"
+        logger.info("load_checkpoint: %s left out of the checkpoint by design (saved with "
+                    "exclude_frozen_parameters=True) and keep their loaded values.", count)
     if missing:
-        logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s", missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s%s", missing[:20], more)
 
 
 def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torch.nn.Module,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout
+from .deepspeed_layout import deepspeed_checkpoint_message
 from .errors import CheckpointError
 
 # key -> the JSON type it must have (None allowed where the saver writes None)
@@ -27,7 +28,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The checked manifest of the tag directory `path`."""
     manifest = path / layout.MANIFEST
     if not manifest.is_file():
-        raise CheckpointError(f"{manifest}: missing; {path} is not a complete shardwise checkpoint.")
+        raise CheckpointError(deepspeed_checkpoint_message(path)
+                              or f"{manifest}: missing; {path} is not a complete shardwise checkpoint.")
     try:
         meta = json.loads(manifest.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -15,6 +15,7 @@ import torch
 
 from ..tensor_parallel.shard import TensorShard, assemble, take
 from . import layout
+from .deepspeed_layout import deepspeed_checkpoint_message
 from .errors import CheckpointError
 from .manifest import read_manifest
 from .safetensors_file import SafetensorsFile
@@ -29,7 +30,8 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     if tag is None:
         latest = root / layout.LATEST
         if not latest.is_file():
-            raise CheckpointError(f"{latest}: no 'latest' file; pass tag= or point at a checkpoint tag directory.")
+            raise CheckpointError(deepspeed_checkpoint_message(root) or f"{latest}: no 'latest' file; pass tag= or "
+                                  "point at a checkpoint tag directory.")
         try:
             tag = latest.read_bytes().decode("utf-8").strip()
         except UnicodeDecodeError:

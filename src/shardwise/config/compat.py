@@ -7,6 +7,10 @@
   (or warning), refused features as problems (quietly when switched off), limited keys refused when
   their value is not the one shardwise's behaviour equals. Keys the table does not know are left for
   validation, which reports them as unknown with a "did you mean".
+
+Notes are given once per job, on rank 0, and only for keys DeepSpeed itself would act on at this config
+(`DEEPSPEED_READS_AT`): a stage-3 knob in a stage-2 config does nothing in DeepSpeed either, and a note
+saying it does nothing here is noise.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import deepspeed_keys as ds
-from .notes import note_once
+from .notes import note_once_per_job
 
 logger = logging.getLogger("shardwise.config")
 
@@ -46,8 +50,9 @@ def drop_untyped(raw: dict[str, Any]) -> None:
         if isinstance(value, dict) and "type" not in value:
             raw.pop(section)
             if value.get("params"):
-                note_once(logger, logging.WARNING, f"{section}.params: ignored: the section has no `type`, so no "
-                          f"{section} is built from it (as in DeepSpeed). Add {section}.type, or remove the section.")
+                note_once_per_job(logger, logging.WARNING,
+                                  f"{section}.params: ignored: the section has no `type`, so no {section} is built "
+                                  f"from it (as in DeepSpeed). Add {section}.type, or remove the section.")
 
 
 def _move(raw: dict[str, Any], alias: str, target: str, problems: list[str]) -> None:
@@ -126,15 +131,77 @@ def _stage3_keys_below_stage3(zero: dict[str, Any]) -> None:
     for key, why in STAGE3_ONLY.items():
         if key in zero and _asks(key, zero[key]):
             zero.pop(key)
-            note_once(logger, logging.WARNING,
-                      f"zero_optimization.{key}: ignored below ZeRO stage 3, as DeepSpeed does (got stage {stage}); {why}")
+            note_once_per_job(logger, logging.WARNING, f"zero_optimization.{key}: ignored below ZeRO stage 3, as "
+                              f"DeepSpeed does (got stage {stage}); {why}")
+
+
+_STAGE3, _STAGES_1_2, _ZERO = (3,), (1, 2), (1, 2, 3)
+DEEPSPEED_READS_AT: dict[str, tuple[int, ...]] = {
+    # Built by DeepSpeed 0.19.8's stage-3 optimizer or zero.Init only.
+    "zero_optimization.stage3_module_granularity_threshold": _STAGE3,
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": _STAGE3,
+    "zero_optimization.stage3_allgather_sequential": _STAGE3,
+    "zero_optimization.memory_efficient_linear": _STAGE3,
+    "zero_optimization.override_module_apply": _STAGE3,
+    "zero_optimization.pipeline_loading_checkpoint": _STAGE3,
+    "zero_optimization.log_trace_cache_warnings": _STAGE3,
+    "zero_optimization.enable_sanity_checks": _STAGE3,
+    "zero_optimization.save_muon_momentum_buffer_in_memory": _STAGE3,
+    "zero_optimization.leaf_module": _STAGE3,
+    "zero_optimization.offload_param": _STAGE3,
+    "zero_optimization.offload_optimizer.super_offload": _STAGE3,
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": _STAGE3,
+    # Arguments of the stage 1-2 optimizer only.
+    "zero_optimization.round_robin_gradients": _STAGES_1_2,
+    "zero_optimization.use_multi_rank_bucket_allreduce": _STAGES_1_2,
+    "zero_optimization.legacy_stage1": _STAGES_1_2,
+    "zero_optimization.ignore_unused_parameters": _STAGES_1_2,
+    "zero_optimization.parameter_alignment": _STAGES_1_2,
+    "zero_optimization.compute_grad_norm": _STAGES_1_2,
+    "zero_optimization.allgather_bucket_size": (0, 1, 2),  # stage 0 too: DeepSpeed's bf16 optimizer takes it
+    # Any ZeRO optimizer (none at stage 0).
+    "zero_optimization.reduce_scatter": _ZERO,
+    "zero_optimization.contiguous_gradients": _ZERO,
+    "zero_optimization.elastic_checkpoint": _ZERO,
+    "zero_optimization.offload_optimizer": _ZERO,
+    "zero_allow_untested_optimizer": _ZERO,
+    "zero_force_ds_cpu_optimizer": _ZERO,
+    # Read by no code path of DeepSpeed 0.19.8.
+    "zero_optimization.allgather_partitions": (),
+    "disable_allgather": (),
+}
+"""The ZeRO stages at which DeepSpeed acts on a no-op key (the key or a section above it); keys not listed act at
+every stage."""
+NVME_ONLY = {"buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write"}
+"""Offload sub-keys that size or schedule NVMe swapping: DeepSpeed reads them only when the device is nvme."""
+
+
+def deepspeed_reads(path: str, raw: dict[str, Any]) -> bool:
+    """Whether DeepSpeed 0.19.8 acts on the key `path` in the config `raw` (after `apply_spellings`). Unsure
+    (a stage that is not a number yet, which validation refuses later) counts as yes."""
+    parts = ds.canonical(path).split(".")
+    zero = raw.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage", 0)
+    for i in range(len(parts), 0, -1):
+        stages = DEEPSPEED_READS_AT.get(".".join(parts[:i]))
+        if stages is not None:
+            if isinstance(stage, int) and not isinstance(stage, bool) and stage not in stages:
+                return False
+            break
+    if parts[:1] == ["zero_optimization"] and len(parts) == 3 and parts[1] in ("offload_optimizer", "offload_param"):
+        section = zero.get(parts[1])
+        device = str(section.get("device", "none")).lower() if isinstance(section, dict) else "none"
+        return device != "none" and (parts[2] not in NVME_ONLY or device == "nvme")
+    return True
 
 
 def strip_deepspeed_only(raw: dict[str, Any], model: type[BaseModel], problems: list[str]) -> None:
-    _walk(raw, model, "", problems, quiet=False)
+    _walk(raw, model, "", problems, quiet=False, raw=raw)
 
 
-def _walk(node: dict[str, Any], model: type[BaseModel] | None, prefix: str, problems: list[str], quiet: bool) -> None:
+def _walk(node: dict[str, Any], model: type[BaseModel] | None, prefix: str, problems: list[str], quiet: bool,
+          raw: dict[str, Any]) -> None:
     for key in list(node):
         path, value = prefix + key, node[key]
         treatment = ds.lookup(path)
@@ -145,9 +212,9 @@ def _walk(node: dict[str, Any], model: type[BaseModel] | None, prefix: str, prob
         nested = _field_model(model, key) if model is not None and key in model.model_fields else _MISSING
         if nested is not _MISSING:  # a shardwise field: validation takes it from here
             if treatment is not None and treatment.kind == ds.NO_OP and not quiet:
-                _note(path, treatment)
+                _note(path, treatment, raw)
             if isinstance(nested, type) and isinstance(value, dict):
-                _walk(value, nested, path + ".", problems, quiet)
+                _walk(value, nested, path + ".", problems, quiet, raw)
             continue
         if treatment is None or treatment.kind == ds.IMPLEMENTED:
             continue  # unknown (or a typo inside a shardwise section): validation names it
@@ -157,9 +224,9 @@ def _walk(node: dict[str, Any], model: type[BaseModel] | None, prefix: str, prob
                 problems.append(_not_implemented(path, value, treatment))
             continue
         if isinstance(value, dict):
-            _walk(value, None, path + ".", problems, quiet=True)  # a refused key inside a no-op section
+            _walk(value, None, path + ".", problems, quiet=True, raw=raw)  # a refused key inside a no-op section
         if not quiet:
-            _note(path, treatment)
+            _note(path, treatment, raw)
 
 
 def _field_model(model: type[BaseModel], key: str) -> Any:
@@ -179,12 +246,15 @@ def section_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _note(path: str, treatment: ds.Treatment) -> None:
+def _note(path: str, treatment: ds.Treatment, raw: dict[str, Any]) -> None:
+    if not deepspeed_reads(path, raw):
+        return
     if treatment.kind == ds.WARNED:
-        note_once(logger, logging.WARNING,
-                  f"{path}: a DeepSpeed setting that shardwise does not act on yet; ignored ({treatment.reason}).")
+        note_once_per_job(logger, logging.WARNING, f"{path}: a DeepSpeed setting that shardwise does not act on yet; "
+                          f"ignored ({treatment.reason}).")
     else:
-        note_once(logger, logging.INFO, f"{path}: a DeepSpeed setting with no effect in shardwise ({treatment.reason}).")
+        note_once_per_job(logger, logging.INFO,
+                          f"{path}: a DeepSpeed setting with no effect in shardwise ({treatment.reason}).")
 
 
 def shown(value: Any) -> str:

@@ -3,6 +3,11 @@
 Figures of the interval since the last report: rank 0's mean loss, the last step's lr (first
 parameter group), loss scale and gradient norm, samples/s and tokens/s over all ranks, this rank's
 achieved TFLOPS, peak memory, and (with `wall_clock_breakdown`) the mean time per step of each phase.
+
+The rates need a timed interval: from the first forward the engine ran (a pipeline engine's first
+`train_batch`), then from one report to the next. A first report with no such start (a script that calls
+`engine.module(...)` itself, as DeepSpeed's GAN tutorial does) has no rates: the time its steps took is
+unknown, and dividing by a guess printed rates like 4e9 samples/s.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class StepReporter:
         self._flops: float | None = 0.0
 
     def mark_start(self) -> None:
-        """The first forward starts the clock (set-up before it is no part of the first interval)."""
+        """The first forward (or train_batch) starts the clock (set-up before it is no part of the first interval)."""
         if self._start is None:
             self._start = time.perf_counter()
 
@@ -71,16 +76,17 @@ class StepReporter:
         return events
 
     def _events(self, f: StepFigures, timers_ms: dict[str, float]) -> list[Event]:
-        seconds = max(time.perf_counter() - (self._start or time.perf_counter()), 1e-9)
         values: dict[str, float] = {"train_loss": float(self._loss_sum) / self._steps, "lr": f.lr[0] if f.lr else 0.0,
                                     "loss_scale": f.loss_scale}
         if f.grad_norm is not None:
             values["grad_norm"] = f.grad_norm
-        values["samples_per_sec"] = self._samples / seconds
-        if self._tokens:
-            values["tokens_per_sec"] = self._tokens / seconds
-        if self._flops:
-            values["tflops_per_rank"] = self._flops / seconds / 1e12
+        seconds = time.perf_counter() - self._start if self._start is not None else 0.0
+        if seconds > 0.0:
+            values["samples_per_sec"] = self._samples / seconds
+            if self._tokens:
+                values["tokens_per_sec"] = self._tokens / seconds
+            if self._flops:
+                values["tflops_per_rank"] = self._flops / seconds / 1e12
         values["peak_memory_mb"] = accelerator.peak_memory_bytes(self.device) / 2**20
         values.update({f"elapsed_time_ms_{name}": ms for name, ms in timers_ms.items()})
         return [(PREFIX + name, value, f.samples) for name, value in values.items()]

@@ -95,6 +95,7 @@ class PipelineEngine(Engine):
             raise PipelineError("train_batch(): gradients are disabled (inside torch.no_grad()); call it with "
                                 "gradients enabled, or use eval_batch() to evaluate.")
         self.checkpoint_writer.check()
+        self.instruments.reporter.mark_start()  # the executor's forwards bypass engine.forward, which starts it
         self.module.train()
         self._hooks.data = self._data(data_iter, "train_batch")
         self._hooks.aggregated = None
