@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import accelerator
 from .config import Config, ConfigError, parse_config
 from .config.parse import load_raw
-from .config.notes import note_once
+from .config.notes import note_once_per_job
 from .config.training import COMPRESSED_OPTIMIZER_NAMES
 from .data_efficiency.random_ltd import attach_random_ltd
 from .distributed import Collectives, Group, Topology, init_distributed
@@ -174,7 +174,7 @@ def _compresses(optimizer: OptimizerArg, cfg: Config, pipe: int) -> bool:
 
 def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        note_once(logger, logging.WARNING,
+        note_once_per_job(logger, logging.WARNING,
                   f"optimizer: the optimizer passed to initialize() is used and the config's \"optimizer\" section "
                   f"(type {cfg.optimizer.type!r}, params {cfg.optimizer.params}) is ignored, as DeepSpeed does. "
                   "Remove one of the two to silence this.")
@@ -205,7 +205,7 @@ def _rebind(optimizer: torch.optim.Optimizer) -> MakeOptimizer:
 
 def _validate_scheduler(cfg: Config, lr_scheduler: Any) -> None:
     if lr_scheduler is not None and cfg.scheduler is not None:
-        note_once(logger, logging.WARNING,
+        note_once_per_job(logger, logging.WARNING,
                   f"lr_scheduler: the scheduler passed to initialize() is used and the config's \"scheduler\" section "
                   f"(type {cfg.scheduler.type!r}) is ignored, as DeepSpeed does. Remove one of the two to silence this.")
     elif cfg.scheduler is not None:

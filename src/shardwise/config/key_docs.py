@@ -19,7 +19,8 @@ docs/config_keys.md`), and `tests/unit/test_config_keys.py` feeds every key of D
 parser. `section.*` stands for a section and every key in it; a more specific row wins.
 
 - **implemented**: shardwise acts on the key.
-- **no-op**: accepted with no effect, for the reason given (noted once at INFO level).
+- **no-op**: accepted with no effect, for the reason given (noted once per job at INFO level, by rank 0, and only
+  where DeepSpeed would read the key at the configured ZeRO stage and offload device).
 - **no-op (warned)**: accepted, but it asks for output shardwise does not produce (warned once).
 - **refused**: a feature shardwise does not have that would change what is trained or where memory goes:
   "a DeepSpeed setting that shardwise does not implement yet ...". A section that asks for nothing

@@ -23,7 +23,7 @@ from .auto import resolve_auto
 from .batch import BATCH_KEYS, solve_batch
 from .compat import apply_spellings, drop_untyped, section_type, strip_deepspeed_only
 from .errors import ConfigError
-from .notes import note_once
+from .notes import note_once_per_job
 from .sections import Config
 
 logger = logging.getLogger("shardwise.config")
@@ -112,7 +112,7 @@ def _note_autos(cfg: Config, paths: list[str]) -> None:
             value = getattr(value, part, None)
         how = "derived" if path in BATCH_KEYS else "DeepSpeed's default"
         used.append(f"{path}={'inf' if value == math.inf else value} ({how})")
-    note_once(logger, logging.INFO, f'config: "auto" resolved: {", ".join(used)}.')
+    note_once_per_job(logger, logging.INFO, f'config: "auto" resolved: {", ".join(used)}.')
 
 
 def _field_path(path: str) -> list[str]:
