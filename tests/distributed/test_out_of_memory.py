@@ -70,6 +70,8 @@ def test_a_host_allocation_failure_is_explained_and_the_proposed_change_fits() -
     assert "estimated: the failing first forward had saved" in text
     assert "bound by the address-space rlimit (ulimit -v)" in text
     assert "Changes that fit (planned peak per rank):" in text
+    # judged by the failure's account: the run ran out where its plan counted what was live
+    assert "times its plan, so each plan below is scaled by" in text
     first = failed["fitting"][0]
     assert first["train_micro_batch_size_per_gpu"] < 16 and first["train_batch_size"] == 16
     fitted = run_distributed(_train, 1, _config(16, **first), 1, timeout=180)[0]

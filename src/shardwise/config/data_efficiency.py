@@ -8,6 +8,7 @@ kept-token count; its keys are checked here against its `schedule_type`, so a co
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -54,6 +55,20 @@ class CurriculumSchedule(Section):
                 raise ValueError(f"schedule_config: fixed_discrete needs one more difficulty than max_step (the last "
                                  f"difficulty holds after the last max_step) and max_step increasing; got difficulty="
                                  f"{levels}, max_step={ends}.")
+            outside = [d for d in levels if not self.min_difficulty <= d <= self.max_difficulty]
+            if outside:  # the schedule would train at them as given: nothing clamps a discrete level
+                raise ValueError(f"schedule_config.difficulty: every level must lie within [min_difficulty, "
+                                 f"max_difficulty] = [{self.min_difficulty}, {self.max_difficulty}]; got "
+                                 f"{', '.join(map(str, outside))} (in {levels}). Change those levels or the bounds.")
+        elif self.schedule_type in ("fixed_linear", "fixed_root"):
+            step = self.schedule_config.difficulty_step
+            assert step is not None  # _NEEDS
+            lowest = math.ceil(self.min_difficulty / step) * step
+            if lowest > self.max_difficulty:  # the schedule would sit at max_difficulty from the first step
+                raise ValueError(f"schedule_config.difficulty_step: the difficulties are multiples of it, so one must "
+                                 f"lie within [min_difficulty, max_difficulty] = [{self.min_difficulty}, "
+                                 f"{self.max_difficulty}]; got {step}, whose first multiple from min_difficulty on is {lowest}. "
+                                 "Lower difficulty_step or widen the bounds.")
         return self
 
 
@@ -64,6 +79,14 @@ class LegacyCurriculumConfig(CurriculumSchedule):
     enabled: bool = False
     curriculum_type: Literal["seqlen"] = "seqlen"
 
+    @model_validator(mode="after")
+    def _positions(self) -> LegacyCurriculumConfig:
+        if self.min_difficulty < 1:  # the difficulty is a count of positions; 0 reaches the model as an empty batch
+            raise ValueError(f"min_difficulty: the seqlen curriculum's difficulty is a sequence length, at least 1; "
+                             f"got {self.min_difficulty}. Set it to the shortest length to train on (DeepSpeed's "
+                             "examples start at 8).")
+        return self
+
 
 class CurriculumMetricConfig(CurriculumSchedule):
     """One metric of `data_sampling.curriculum_learning.curriculum_metrics`: its index (written by
@@ -73,6 +96,15 @@ class CurriculumMetricConfig(CurriculumSchedule):
     index_to_metric_path: str | None = None
     difficulty_type: Literal["value", "percentile"] = "value"
     clustering_type: Literal["schedule_based", "single_cluster"] = "schedule_based"
+
+    @model_validator(mode="after")
+    def _percentiles(self) -> CurriculumMetricConfig:
+        if self.difficulty_type == "percentile" and (self.min_difficulty < 0 or self.max_difficulty <= 0):
+            # a percentile admits the easiest difficulty / max_difficulty share of the samples
+            raise ValueError(f"min_difficulty: with difficulty_type \"percentile\" min_difficulty >= 0 and "
+                             f"max_difficulty > 0 (the whole, 100 say) are required; got min_difficulty "
+                             f"{self.min_difficulty}, max_difficulty {self.max_difficulty}.")
+        return self
 
 
 class DataCurriculumConfig(Section):

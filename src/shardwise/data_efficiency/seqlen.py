@@ -90,6 +90,11 @@ class SeqlenCurriculum:
         if not module.training:
             return inputs, kwargs
         length = int(self.scheduler.get_difficulty(global_steps + 1))
+        if length < 1:  # only a custom schedule gets here: the config bounds the others
+            raise CurriculumError(f"curriculum_learning: the custom schedule gave sequence length {length} at step "
+                                  f"{global_steps + 1}; at least 1 is required. Return a length within "
+                                  f"[min_difficulty, max_difficulty] = [{self.config.min_difficulty}, "
+                                  f"{self.config.max_difficulty}].")
         self.scheduler.set_current_difficulty(length)
         if self.passes_kwarg:
             return inputs, {**kwargs, "curriculum_seqlen": length}

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .ranks import RankLayout, split_as_rank
 from .shape import ActivationProfile, ModelShape
 
 REAL_TRACE_LIMIT = 2 * 2**30
@@ -22,16 +23,38 @@ which saves the [S, S] attention weights that CPU and CUDA's fused kernels do no
 somewhat high."""
 
 
+FORMS = ("a Hugging Face config.json (or its directory), or 'package.module:factory' naming a callable that returns "
+         "an nn.Module (its keyword arguments from --model_arg key=value)")
+
+
 def build(spec: str, kwargs: dict[str, Any], device: str | torch.device = "cpu") -> torch.nn.Module:
     with torch.device(device):
         if os.path.isdir(spec) or spec.endswith(".json"):
             return _hf_model(spec)
-        module_name, sep, attr = spec.partition(":")
-        if not sep:
-            raise ValueError(f"--model: a Hugging Face config.json (or its directory) or 'package.module:factory'; "
-                             f"got {spec!r}.")
-        factory = getattr(importlib.import_module(module_name), attr)
-        return factory(**kwargs)
+        return _from_factory(spec, kwargs)
+
+
+def _from_factory(spec: str, kwargs: dict[str, Any]) -> torch.nn.Module:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model: {FORMS}; got {spec!r}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model: {FORMS}; got {spec!r}, whose module cannot be imported ({e}).") from e
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        what = f"has no {attr!r}" if factory is None else f"has {attr!r}, a {type(factory).__name__}, not a callable"
+        raise ValueError(f"--model: {FORMS}; got {spec!r}, but {module_name} {what}.")
+    call = f"{module_name}.{attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    try:
+        model = factory(**kwargs)
+    except Exception as e:  # a failure inside the factory says nothing of what --model expects; name both
+        raise ValueError(f"--model: {call} raised {type(e).__name__}: {e}. --model takes {FORMS}.") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model: {call} returned a {type(model).__name__}, not an nn.Module; --model takes "
+                         f"{FORMS}.")
+    return model
 
 
 def _hf_model(spec: str) -> torch.nn.Module:
@@ -52,16 +75,25 @@ def default_seq_len(model: torch.nn.Module) -> int | None:
     return None
 
 
-def profile(spec: str, kwargs: dict[str, Any], seq_len: int | None) -> tuple[ModelShape, ActivationProfile, str]:
-    """The model's shape and one micro-batch (1 sample of `seq_len` tokens) traced; also how it was traced."""
+def profile(spec: str, kwargs: dict[str, Any], seq_len: int | None,
+            ranks: RankLayout | None = None) -> tuple[ModelShape, ActivationProfile, str]:
+    """One rank's share of the model (split as `ranks` says, see [Note: one account of a rank]) and one
+    micro-batch (1 sample of `seq_len` tokens) traced through it; also how it was traced."""
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"--seq_len: at least 1 token; got {seq_len}.")
     meta = build(spec, kwargs, "meta")
+    whole = ModelShape.of(meta)
+    if ranks is not None:
+        split_as_rank(meta, ranks)
     shape = ModelShape.of(meta)
-    if shape.total * shape.param_bytes <= REAL_TRACE_LIMIT:
+    if whole.total * whole.param_bytes <= REAL_TRACE_LIMIT:
         torch.manual_seed(0)
         model, how = build(spec, kwargs), "traced on the CPU"
+        if ranks is not None:
+            split_as_rank(model, ranks)
     else:
         model, how = meta, "traced on the meta device (attention counted as SDPA's math kernel)"
-    seq = seq_len or default_seq_len(model)
+    seq = seq_len if seq_len is not None else default_seq_len(model)
     if seq is None:
         raise ValueError("--seq_len: required; the model's config names no maximum length.")
     device = next(model.parameters()).device

@@ -94,6 +94,7 @@ class OutOfMemoryExplainer:
         engine, tracker, cfg, device = self.engine, self.engine.instruments.activations, self.engine.config, self.engine.device
         held = engine.memory_breakdown()
         profile, note, live_activations = None, "measured over a whole forward", tracker.peak or 0
+        accounted = None
         width = 2 if (cfg.fp16.enabled or cfg.bf16.enabled) else 4
         if tracker.peak is not None:
             profile = ActivationProfile(tracker.peak, cfg.train_micro_batch_size_per_gpu, compute_bytes=width)
@@ -104,6 +105,12 @@ class OutOfMemoryExplainer:
             note = (f"estimated: the failing first forward had saved {binary_bytes(tracker.partial)} in "
                     f"{tracker.partial_share:.0%} of the modules holding parameters")
             live_activations = tracker.partial
+        if tracker.peak is None and tracker.partial is not None:
+            # what the plan's account held when the first forward failed (see planner/oom.py's
+            # [Note: one account for the failure and the proposals]); device parts only off CPU
+            states = held.model_states + held.buffers.total if device.type == "cpu" else \
+                held.model_states - held.model_states_on_host + held.buffers.device
+            accounted = states + tracker.partial
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         headroom = accelerator.memory_headroom(device)
         host_capacity, others = None, 0
@@ -116,4 +123,4 @@ class OutOfMemoryExplainer:
         where = f"{phase} of micro-step {engine.micro_steps + 1} (step {engine.global_steps + 1})"
         return MemoryAtFailure(where, engine.global_rank, str(device), held, live,
                                headroom.bytes // (local_ranks if headroom.shared else 1), headroom.bound_by, profile,
-                               note, device.type == "cpu", host_capacity, others)
+                               note, device.type == "cpu", host_capacity, others, accounted)
