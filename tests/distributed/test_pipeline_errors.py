@@ -40,6 +40,8 @@ def _refusals() -> dict[str, tuple[str, str] | None]:
     with torch.no_grad():
         got["no_grad"] = _attempt(lambda: engine.train_batch(pm.micro_batches(0, MICRO, ACCUM, 0, 1)))
     got["no data"] = _attempt(engine.train_batch)
+    engine.set_dataiterator(pm.micro_batches(0, MICRO, ACCUM, 0, 1))  # training's: eval_batch must not read it
+    got["eval without data_iter"] = _attempt(lambda: engine.eval_batch(None))
     got["3 stages on 2 ranks"] = _attempt(lambda: PipelineModule(pm.layer_specs(), num_stages=3, loss_fn=pm.loss_fn))
     got["stages differ"] = _attempt(lambda: pm.pipe_run(2, {**config, "pipeline": {"stages": 4}}, 0))
     got["plain module"] = _attempt(lambda: shardwise.initialize(model=torch.nn.Linear(2, 2),
@@ -47,7 +49,31 @@ def _refusals() -> dict[str, tuple[str, str] | None]:
     interleaved = {**config, "pipeline": {"schedule": "interleaved_1f1b"}}
     got["interleaved, 1 chunk"] = _attempt(lambda: pm.pipe_run(2, interleaved, 0))
     got["2 chunks, 1f1b"] = _attempt(lambda: pm.pipe_run(2, config, 0, num_chunks=2))
+    for name, (layers, method) in PARAMETER_FREE_STAGES.items():
+        got[name] = _attempt(lambda: PipelineModule(layers(), num_stages=2, partition_method=method))
     return got
+
+
+def _two_linears_then_activations() -> list[Any]:
+    from shardwise.pipe import LayerSpec
+
+    return [LayerSpec(torch.nn.Linear, pm.IN, pm.WIDTH), LayerSpec(torch.nn.Linear, pm.WIDTH, pm.OUT),
+            LayerSpec(torch.nn.ReLU), torch.tanh]
+
+
+def _one_linear_then_activations() -> list[Any]:
+    from shardwise.pipe import LayerSpec
+
+    return [LayerSpec(torch.nn.Linear, pm.IN, pm.OUT), *[LayerSpec(torch.nn.ReLU) for _ in range(3)]]
+
+
+# name: (the layers, partition_method). By parameters, the first gets [0, 1, 4] (a fix), the second [0, 3, 4] and the
+# third [0, 2, 3] (no fix); uniformly, [0, 2, 4], [0, 2, 4] and [0, 2, 3]
+PARAMETER_FREE_STAGES = {
+    "parameter-free stage, uniform": (_two_linears_then_activations, "uniform"),
+    "parameter-free stage, any method": (_one_linear_then_activations, "parameters"),
+    "only a tied copy on a stage": (lambda: pm.layer_specs(blocks=1, tied=True), "uniform"),
+}
 
 
 REFUSALS = {
@@ -64,6 +90,9 @@ REFUSALS = {
         "step.")),
     "no_grad": ("PipelineError", "train_batch(): gradients are disabled (inside torch.no_grad())"),
     "no data": ("PipelineError", "train_batch(): no data on stage"),
+    "eval without data_iter": ("PipelineError", (
+        "; pass data_iter (an iterator of (inputs, labels) micro-batches to evaluate): the training iterator is not "
+        "read for evaluation.")),
     "3 stages on 2 ranks": ("ValueError", (
         "num_stages (3) must divide the world size (2): the ranks split into data-parallel replicas of the whole "
         "pipeline.")),
@@ -74,6 +103,17 @@ REFUSALS = {
         'pipeline.schedule: "interleaved_1f1b" needs a PipelineModule with num_chunks >= 2')),
     "2 chunks, 1f1b": ("ValueError", (
         'pipeline.schedule: "1f1b" runs one model chunk per stage, but the PipelineModule has num_chunks=2')),
+    "parameter-free stage, uniform": ("ValueError", (
+        'PipelineModule: pipeline stage 1 holds no parameters: partition_method "uniform" gave it no layer with '
+        "parameters of its own (layers 2: ReLU, 3: tanh), so its optimizer would have nothing to train. Use "
+        'partition_method "parameters", which puts parameters on every stage of this model')),
+    "parameter-free stage, any method": ("ValueError", (
+        'PipelineModule: pipeline stage 1 holds no parameters: partition_method "parameters" gave it no layer with '
+        "parameters of its own (layers 3: ReLU), so its optimizer would have nothing to train. Neither "
+        '"parameters" nor "uniform" puts parameters on every one of the 2 stages of this model: use "type:<regex>"')),
+    "only a tied copy on a stage": ("ValueError", (
+        'PipelineModule: pipeline stage 1 holds no parameters: partition_method "uniform" gave it no layer with '
+        "parameters of its own (layers 2: Linear tied as 'embed', a parameter of stage 0 only)")),
 }
 
 

@@ -88,6 +88,7 @@ class PipelineModule(torch.nn.Module):
         self.tied_stages = _tied_stages(self._layer_specs, self.parts, self.num_stages)
         """Tied key -> the stages that use it, lowest (the owner) first."""
         self.tied_attrs = {spec.key: spec.tied_weight_attr for spec in self._layer_specs if isinstance(spec, TiedLayerSpec)}
+        self._check_every_stage_has_parameters(partition_method)
         self.chunk_funcs: list[list[tuple[int, Callable[..., Any]]]] = [
             self._build(self.parts[v], self.parts[v + 1], seed_layers, seed_fn, base_seed)
             for v in self.virtual_stages()]
@@ -148,6 +149,33 @@ class PipelineModule(torch.nn.Module):
             names = [_class_name(s) for s in self._layer_specs]
             return partition.balanced(partition.type_weights(names, method[len("type:"):]), parts)
         raise ValueError(f'partition_method: "parameters", "uniform" or "type:<regex>" is required; got {method!r}.')
+
+    def _check_every_stage_has_parameters(self, method: str) -> None:
+        """A stage without parameters gives its optimizer nothing to train. Every rank knows every stage's layers,
+        so all refuse here together, rather than that stage's rank alone at initialize while the others wait."""
+        counts = [_parameter_count(s) for s in self._layer_specs]
+        empty = _stages_without_parameters(self._layer_specs, counts, self.parts, self.num_stages)
+        if not empty:
+            return
+        stage = empty[0]
+        held = [i for v in range(stage, len(self.parts) - 1, self.num_stages)
+                for i in range(self.parts[v], self.parts[v + 1])]
+        shown = ", ".join(f"{i}: {_describe(self._layer_specs[i], self.tied_stages)}" for i in held[:6])
+        shown += f", ... ({len(held)} in all)" if len(held) > 6 else ""
+        others = f" (so do stages {empty[1:]})" if len(empty) > 1 else ""
+        working = [m for m in ("parameters", "uniform") if m != method
+                   and not _stages_without_parameters(self._layer_specs, counts, self._partition(m), self.num_stages)]
+        named = " or ".join(f'"{m}"' for m in working)
+        if working:
+            fix = (f"Use partition_method {named}, which puts parameters on every stage of this model, or "
+                   '"type:<regex>" naming the layers that have parameters')
+        else:
+            fix = (f'Neither "parameters" nor "uniform" puts parameters on every one of the {self.num_stages} stages '
+                   'of this model: use "type:<regex>" naming the layers that have parameters, fewer stages, or merge '
+                   "the parameter-free layers into a neighbouring layer (a stage holds whole layers)")
+        raise ValueError(f"PipelineModule: pipeline stage {stage} holds no parameters{others}: partition_method "
+                         f'"{method}" gave it no layer with parameters of its own (layers {shown}), so its optimizer '
+                         f"would have nothing to train. {fix}.")
 
     def _build(self, lo: int, hi: int, seed_layers: bool, seed_fn: Callable[[int], None] | None,
                base_seed: int) -> list[tuple[int, Callable[..., Any]]]:
@@ -231,6 +259,35 @@ def _trainable_count(layer: Any) -> int:
     if isinstance(layer, torch.nn.Module):
         return sum(p.numel() for p in layer.parameters() if p.requires_grad)
     return 0
+
+
+def _parameter_count(layer: Any) -> int:
+    """Every parameter of a layer, frozen or not (a stage of frozen layers is initialize's to refuse)."""
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            layer = layer.build()
+    return sum(p.numel() for p in layer.parameters()) if isinstance(layer, torch.nn.Module) else 0
+
+
+def _stages_without_parameters(layers: list[Any], counts: list[int], bounds: list[int], stages: int) -> list[int]:
+    """The stages whose layers, over all their chunks, hold no parameter; a tied layer's are its owner's only."""
+    owners = {key: users[0] for key, users in _tied_stages(layers, bounds, stages).items()}
+    has = [False] * stages
+    for part in range(len(bounds) - 1):
+        stage = part % stages
+        for index in range(bounds[part], bounds[part + 1]):
+            layer = layers[index]
+            if counts[index] and not (isinstance(layer, TiedLayerSpec) and owners[layer.key] != stage):
+                has[stage] = True
+    return [s for s in range(stages) if not has[s]]
+
+
+def _describe(layer: Any, tied_stages: dict[str, list[int]]) -> str:
+    if isinstance(layer, TiedLayerSpec):
+        return f"{layer.typename.__name__} tied as {layer.key!r}, a parameter of stage {tied_stages[layer.key][0]} only"
+    if isinstance(layer, (LayerSpec, torch.nn.Module)):
+        return _class_name(layer)
+    return getattr(layer, "__name__", type(layer).__name__)
 
 
 def _class_name(layer: Any) -> str:

@@ -97,11 +97,13 @@ class PipelineEngine(Engine):
         self.checkpoint_writer.check()
         self.instruments.reporter.mark_start()  # the executor's forwards bypass engine.forward, which starts it
         self.module.train()
-        self._hooks.data = self._data(data_iter, "train_batch")
+        self._hooks.begin(self._data(data_iter, "train_batch"), self.micro_batches, labels=True,
+                          need="a batch needs {n} micro-batches (gradient_accumulation_steps)")
         self._hooks.aggregated = None
         self._grads_since_step = True
         self._agree_activations(training=True)
         self.last_batch = self.executor.run(self._schedule.per_stage[self.stage_id], train=True)
+        self._hooks.finish()
         self.micro_steps += self.micro_batches
         self.agg_train_loss = self._hooks.aggregated
         return self.agg_train_loss
@@ -111,23 +113,28 @@ class PipelineEngine(Engine):
                    num_micro_batches: int | None = None) -> Any:
         """Forward only over `num_micro_batches` (default gradient_accumulation_steps) micro-batches: the loss
         averaged over them and the data-parallel replicas (on every rank with `bcast_loss`, else on the last
-        stage); with `return_logits`, also the last stage's output of the last micro-batch (None elsewhere)."""
+        stage); with `return_logits`, also the last stage's output of the last micro-batch (None elsewhere). Without
+        `compute_loss`, the outputs' mean on the last stage and None elsewhere (DeepSpeed's)."""
         if reduce_output not in ("avg", None):
             raise ValueError(f'reduce_output: "avg" or None is required; got {reduce_output!r}.')
         micro_batches = num_micro_batches or self.micro_batches
         schedule = inference_schedule(self.num_stages, micro_batches, labels=compute_loss)
         if self.module.num_chunks > 1:
             raise PipelineError("eval_batch(): evaluation of a module with num_chunks > 1 is not supported yet.")
+        self._hooks.begin(self._data(data_iter, "eval_batch"), micro_batches, labels=compute_loss,
+                          need="eval_batch needs {n} micro-batches (num_micro_batches, default "
+                               "gradient_accumulation_steps)")
         was_training = self.module.training
         self.module.eval()
-        self._hooks.data = self._data(data_iter, "eval_batch")
         self._agree_activations(training=False)
         try:
             with torch.no_grad():
                 result = self.executor.run(schedule.per_stage[self.stage_id], train=False, compute_loss=compute_loss)
+            self._hooks.finish()
         finally:
             self.module.train(was_training)
-        output = self._eval_output(result, reduce_output, bcast_loss)
+        # without a loss the last stage's outputs stay there, as in DeepSpeed: they have no scalar to broadcast
+        output = self._eval_output(result, reduce_output, bcast_loss and compute_loss)
         self.agg_eval_loss = output
         if return_logits:
             return output, result.last_output if self.is_last_stage() else None
@@ -163,7 +170,12 @@ class PipelineEngine(Engine):
             return None  # middle stages read nothing
         if data_iter is not None:
             return data_iter
-        if self.data_iterator is None and self.training_dataloader is not None and caller == "train_batch":
+        if caller == "eval_batch":
+            # the engine's own iterator is training's: evaluating on it would take training's next micro-batches
+            raise PipelineError(f"eval_batch(): no data on stage {self.stage_id}; pass data_iter (an iterator of "
+                                "(inputs, labels) micro-batches to evaluate): the training iterator is not read for "
+                                "evaluation.")
+        if self.data_iterator is None and self.training_dataloader is not None:
             self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
         if self.data_iterator is None:
             raise PipelineError(f"{caller}(): no data on stage {self.stage_id}; pass data_iter (an iterator of "
@@ -208,22 +220,59 @@ class _StageHooks:
         self.engine = engine
         self.data: Iterator[Any] | None = None
         self.aggregated: torch.Tensor | None = None
-        self._batch: tuple[int, Any] | None = None
+        self._begin_state(0, 0, "")
+
+    def begin(self, data: Iterator[Any] | None, micro_batches: int, labels: bool, need: str) -> None:
+        """A new train_batch / eval_batch: it reads exactly `micro_batches` micro-batches of its own from `data`;
+        nothing read by an earlier call is served again (see `_micro_batch`)."""
+        engine = self.engine
+        # who on this rank takes each micro-batch: the first stage its inputs, the last stage its labels
+        takers = int(engine.is_first_stage()) + int(engine.is_last_stage() and labels)
+        self.data = data
+        self._begin_state(micro_batches, takers, need.format(n=micro_batches))
+
+    def _begin_state(self, micro_batches: int, takers: int, need: str) -> None:
+        self._micro_batches, self._takers, self._need = micro_batches, takers, need
+        self._read = 0
+        self._held: dict[int, tuple[Any, int]] = {}
+        """Micro-batches read but not yet taken by every taker on this rank: (inputs, labels), times taken."""
+
+    def finish(self) -> None:
+        """Read what the schedule did not: every stage that reads keeps to one item per micro-batch (a last stage
+        evaluating without labels too, as in DeepSpeed), so stages sharing an iterator stay in step."""
+        if self.data is not None:
+            while self._read < self._micro_batches:
+                self._next()
+        self._held.clear()
+
+    def _next(self) -> Any:
+        try:
+            batch = next(self.data)
+        except StopIteration:
+            raise PipelineError(f"the data iterator ran out at micro-batch {self._read}; {self._need}.") from None
+        self._read += 1
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+            raise PipelineError(f"a pipeline micro-batch must be a pair (inputs, labels); got a {type(batch).__name__}"
+                                f"{size}. Yield (inputs, labels) from the data iterator.")
+        return batch
 
     def _micro_batch(self, micro_batch: int) -> Any:
-        """(inputs, labels) of `micro_batch`: read once, though the first and last stage both ask on one stage."""
-        if self._batch is None or self._batch[0] != micro_batch:
-            try:
-                batch = next(self.data)
-            except StopIteration:
-                raise PipelineError(f"the data iterator ran out at micro-batch {micro_batch}; a batch needs "
-                                    f"{self.engine.micro_batches} micro-batches (gradient_accumulation_steps).") from None
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                raise PipelineError("a pipeline micro-batch must be a pair (inputs, labels); got a "
-                                    f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-                                    + ". Yield (inputs, labels) from the data iterator.")
-            self._batch = (micro_batch, move_to_device(tuple(batch), self.engine.device))
-        return self._batch[1]
+        """(inputs, labels) of `micro_batch` of this call: read once, though a single stage asks for its inputs and
+        its labels, and dropped once both are taken."""
+        while self._read <= micro_batch:
+            index = self._read
+            self._held[index] = (move_to_device(tuple(self._next()), self.engine.device), 0)
+        if micro_batch not in self._held:
+            raise RuntimeError(f"pipeline stage {self.engine.stage_id}: micro-batch {micro_batch} was asked for after "
+                               "every part of it was taken; the schedule reads each micro-batch's inputs and labels "
+                               "once (this is a bug in shardwise).")
+        batch, taken = self._held[micro_batch]
+        if taken + 1 >= self._takers:
+            del self._held[micro_batch]
+        else:
+            self._held[micro_batch] = (batch, taken + 1)
+        return batch
 
     def inputs(self, micro_batch: int) -> Any:
         inputs = self._micro_batch(micro_batch)[0]
@@ -232,10 +281,7 @@ class _StageHooks:
         return inputs
 
     def labels(self, micro_batch: int) -> Any:
-        labels = self._micro_batch(micro_batch)[1]
-        if micro_batch == self.engine.micro_batches - 1:
-            self._batch = None
-        return labels
+        return self._micro_batch(micro_batch)[1]
 
     def forward(self, inputs: Any, chunk: int) -> Any:
         with self.engine._autocast():
