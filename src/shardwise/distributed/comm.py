@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from .env import DistEnv, launched
 from .init import init_distributed
 
 _DEEPSPEED_ONLY = ("prof", "log_name", "debug")
@@ -68,15 +69,35 @@ def get_world_group() -> Any:
 
 
 def get_rank(group: Any = None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    return dist.get_rank(group) if dist.is_initialized() else _before_init("get_rank", group).rank
 
 
 def get_world_size(group: Any = None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_initialized() else _before_init("get_world_size", group).world_size
 
 
 def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if not dist.is_initialized():
+        return _before_init("get_local_rank", None).local_rank
+    env = launched()
+    return env.local_rank if env is not None else 0  # DeepSpeed's answer once a group exists without a launcher
+
+
+def _before_init(caller: str, group: Any) -> DistEnv:
+    """DeepSpeed asserts here. The launcher's variables are what init_distributed joins with, so they answer;
+    without any, the rank is not known yet (mp.spawn hands it to init_process_group), and 0 could be wrong."""
+    if group is not None:
+        raise RuntimeError(f"comm.{caller}(group=...): torch.distributed is not initialised, so no group exists yet; "
+                           "call deepspeed.init_distributed() (or initialize) first.")
+    env = launched()
+    if env is None:
+        raise RuntimeError(
+            f"comm.{caller}(): torch.distributed is not initialised and no launcher's variables (RANK/WORLD_SIZE, "
+            "OMPI_COMM_WORLD_*, PMI_RANK, SLURM_PROCID, PET_*) say this process's rank; call "
+            "deepspeed.init_distributed() (or initialize) first, as DeepSpeed requires.")
+    return env
 
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:

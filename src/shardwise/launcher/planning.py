@@ -185,18 +185,21 @@ def scheduler_on_this_host(args: argparse.Namespace) -> tuple[Node, ...] | None:
     return (Node("localhost", tuple(range(args.num_gpus or 1))),)
 
 
-POD_VARS = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
-
-
 def as_pod_of_job(args: argparse.Namespace, plan: LocalLaunch) -> LocalLaunch:
-    """In a Kubeflow PyTorchJob pod (``PET_*`` set by the operator, no hostfile), this launch is one node of
-    the operator's job: its node rank, node count, master and ``nprocPerNode`` come from the operator."""
-    env = os.environ
-    if args.hostfile is not None or not all(env.get(v) for v in POD_VARS):
+    """In a Kubeflow PyTorchJob or TrainJob pod (no hostfile), this launch is one node of the operator's job: its
+    node rank, node count, master and processes per node come from the operator (``env.pod_of_job``)."""
+    from shardwise.distributed.env import EnvError, pod_of_job  # after torch: only local launches get here
+
+    if args.hostfile is not None:
         return plan
-    nproc = env.get("PET_NPROC_PER_NODE", "")
-    return replace(
-        plan, nnodes=env["PET_NNODES"], node_rank=int(env["PET_NODE_RANK"]), master_addr=env["PET_MASTER_ADDR"],
-        master_port=int(env["PET_MASTER_PORT"]),
-        nproc=int(nproc) if nproc.isdigit() and args.num_gpus is None else plan.nproc,
-    )
+    try:
+        pod = pod_of_job()
+    except EnvError as error:
+        raise LaunchError(str(error)) from None
+    if pod is None:
+        return plan
+    nproc = pod.nproc if pod.nproc is not None and args.num_gpus is None else plan.nproc
+    say(f"a Kubeflow pod ({pod.variables}): node {pod.node_rank} of {pod.nnodes}, {nproc} rank(s) here, master "
+        f"{pod.master_addr}:{pod.master_port}.", "info", args.log_level)
+    return replace(plan, nnodes=str(pod.nnodes), node_rank=pod.node_rank, master_addr=pod.master_addr,
+                   master_port=pod.master_port, nproc=nproc)

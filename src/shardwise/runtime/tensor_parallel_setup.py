@@ -20,6 +20,7 @@ from ..distributed import Collectives, Group, Topology
 from ..pipeline.module import PipelineModule
 from ..tensor_parallel import TensorLink, TensorParallelError, TensorParallelModel, parallelize, resolve_plan
 from ..tensor_parallel.megatron import check_mpu_groups, megatron_split, mpu_tensor_size, recorded_init
+from ..tensor_parallel.sync import sync_from_first
 
 
 def tensor_parallel_size(raw: dict[str, Any], model: torch.nn.Module, mpu: Any) -> int:
@@ -60,6 +61,7 @@ def split_model(model: torch.nn.Module, config: TensorParallelConfig, mpu: Any, 
     stage_only = isinstance(model, PipelineModule)
     rules = resolve_plan(model, config.partition_config, config.preset_model, config.vocab_parallel_lm_head,
                          required=not stage_only, sequence_parallel=config.sequence_parallel)
+    sync_from_first(model, link, device)  # replicated and split parameters from one model, whatever each rank built
     split = parallelize(model, rules, link, config.sequence_parallel, require_match=not stage_only)
     if stage_only:
         _check_some_stage_split(split, link.comm, topology.pipe, device)
