@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from . import layout
+from . import files, layout
+from .errors import CheckpointError
 from .reader import CheckpointReader
 from .safetensors_file import SafetensorsWriter
 
@@ -39,10 +40,7 @@ def _plan(specs: list[Spec], max_shard_bytes: int) -> list[list[Spec]]:
     shards: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
-        numel = 1
-        for d in spec[2]:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=spec[1]).element_size()
+        nbytes = _nbytes(spec)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -68,25 +66,64 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, tag: str | None = N
     built whole in memory (torch.save cannot stream), so its peak is one shard rather than one tensor."""
     reader = CheckpointReader(checkpoint, tag)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(files.write_error(out, e)) from e
     shards = _plan(_specs(reader, dtype, exclude_frozen), max_shard_bytes)
     stem, suffix, index = ("pytorch_model", ".bin", PICKLE_INDEX) if pickle_format else ("model", ".safetensors", INDEX)
     if len(shards) == 1:
         names = [stem + suffix]
     else:
         names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
-    for specs, name in zip(shards, names):
-        tmp = out / f".{name}.partial"
+    written: list[Path] = []
+    try:
+        for specs, name in zip(shards, names):
+            _write_shard(reader, out / name, specs, pickle_format)
+            written.append(out / name)
+        if len(shards) > 1:
+            total = sum((out / n).stat().st_size for n in names)
+            weight_map = {spec[0]: name for specs, name in zip(shards, names) for spec in specs}
+            files.write_durably(out / index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                        indent=1).encode())
+    except CheckpointError as e:
+        # Shards without the rest of the set (or without their index) are not a model: none is left behind.
+        for path in written:
+            files.remove_quietly(path)
+        removed = (f" ({', '.join(p.name for p in written)}, already written, {'was' if len(written) == 1 else 'were'} "
+                   "removed)") if written else ""
+        raise CheckpointError(f"{e} No file of this conversion was left in {out}{removed}.") from e
+    return written
+
+
+def _write_shard(reader: CheckpointReader, path: Path, specs: list[Spec], pickle_format: bool) -> None:
+    """Write one output file through a temporary name, removed on failure; a failed write (a full disk) is
+    a CheckpointError naming `path`."""
+    tmp = path.with_name(f".{path.name}.partial")
+    writer = None
+    try:
         if pickle_format:
-            torch.save({n: _tensor(reader, n, d) for n, d, _ in specs}, tmp)
+            with open(tmp, "wb") as f:  # through a file object: torch.save to a path loses the errno (ENOSPC)
+                torch.save({n: _tensor(reader, n, d) for n, d, _ in specs}, f)
+                f.flush()
+                os.fsync(f.fileno())
         else:
             writer = SafetensorsWriter(tmp, specs, metadata={"format": "pt"})
             for tensor_name, tensor_dtype, _ in specs:
                 writer.write(tensor_name, _tensor(reader, tensor_name, tensor_dtype))
             writer.close()
-        os.replace(tmp, out / name)
-    if len(shards) > 1:
-        total = sum((out / n).stat().st_size for n in names)
-        weight_map = {spec[0]: name for specs, name in zip(shards, names) for spec in specs}
-        (out / index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return [out / n for n in names]
+        os.replace(tmp, path)
+    except BaseException as e:
+        if writer is not None:
+            writer.abort()  # a no-op once closed
+        files.remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(files.write_error(path, e, sum(_nbytes(spec) for spec in specs))) from e
+        raise
+
+
+def _nbytes(spec: Spec) -> int:
+    numel = 1
+    for d in spec[2]:
+        numel *= d
+    return numel * torch.empty((), dtype=spec[1]).element_size()

@@ -45,6 +45,14 @@ def write_durably(path: Path, data: bytes) -> None:
         raise CheckpointError(write_error(path, e, len(data))) from e
 
 
+def remove_quietly(path: Path) -> None:
+    """Remove a temporary file after a failed write; a failure to remove it must not hide the write's error."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def write_error(path: Path, error: BaseException, needed: int | None = None) -> str:
     """What went wrong writing `path`, naming it: a full disk says how many bytes were needed and are free.
     (OSError from a write carries no file name, and safetensors' own error carries neither name nor errno.)"""

@@ -18,6 +18,7 @@ import torch
 
 from .cli import parse_size
 from .consolidate import _specs, _tensor, consolidate
+from .errors import CheckpointError
 from .reader import CheckpointReader
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -105,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's script; no effect")
     args = parser.parse_args(argv)
-    paths = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                                       args.safe_serialization, args.tag,
-                                                       args.exclude_frozen_parameters)
+    try:
+        paths = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                                           args.safe_serialization, args.tag,
+                                                           args.exclude_frozen_parameters)
+    except CheckpointError as e:
+        print(f"zero_to_fp32: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

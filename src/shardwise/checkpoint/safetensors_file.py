@@ -212,6 +212,15 @@ class SafetensorsWriter:
         self._next += 1
 
     def close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+    def abort(self) -> None:
+        """Close after a failed write, whose error is the one to report (closing flushes, which may fail too)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass

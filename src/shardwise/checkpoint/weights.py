@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..protocols import TrainingEngine
 from ..tensor_parallel.shard import assemble
+from . import files
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -104,13 +106,31 @@ def save_16bit_model(engine: TrainingEngine, save_dir: str, save_filename: str, 
         return None
     state = whole_weights(engine, exclude_frozen)
     path = Path(save_dir) / save_filename
-    if state is not None:  # global rank 0
-        refuse_placeholders(state, engine.module)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.partial")
-        save_file(_untie({k: v.detach().contiguous().cpu() for k, v in state.items()}), str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    dist.barrier()
+    # Rank 0 writes alone; the others wait for its outcome, so its failure (a full disk) ends every rank with
+    # the same error instead of leaving them in a barrier that rank 0 never reaches.
+    box = [_write(state, path, engine.module) if state is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(f"save_16bit_model: rank 0 could not write the weights: {box[0]}")
     return str(path)
+
+
+def _write(state: dict[str, torch.Tensor], path: Path, module: torch.nn.Module) -> str | None:
+    """Write `state` to `path` through a temporary file (removed on failure); what went wrong, or None."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        refuse_placeholders(state, module)
+        tensors = _untie({k: v.detach().contiguous().cpu() for k, v in state.items()})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp))
+        files.fsync_file(tmp)
+        os.replace(tmp, path)
+        return None
+    except CheckpointError as e:
+        return str(e)
+    except (OSError, SafetensorError) as e:
+        files.remove_quietly(tmp)
+        return files.write_error(path, e, sum(t.numel() * t.element_size() for t in tensors.values()))
+    except Exception as e:  # noqa: BLE001 - every rank raises it (save_16bit_model)
+        files.remove_quietly(tmp)
+        return f"{path}: {type(e).__name__}: {e}"

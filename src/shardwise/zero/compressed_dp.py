@@ -26,7 +26,6 @@ class CompressedDataParallel(DataParallel):
             raise TypeError(f"optimizer: a communication-compressed optimizer (OneBitAdam, ZeroOneAdam, OneBitLamb) "
                             f"is required here; got {type(self.optimizer).__name__}.")
         self.optimizer.connect(inputs.comm, inputs.dp_group)
-        self.comm = inputs.comm
         self.local_grads = False
         """This step's gradients stay on their rank (the optimizer exchanges compressed state instead)."""
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocols import ModelStateTensors, NoRankLocalState, ParamGroups, StateSlot, StrategyInputs
+from .edits import register_replicated, take_edits
 from .grad_buckets import BucketedGrads, GradBuckets
 from .reducers import AllReduceMean, GradAveraging
 
@@ -51,6 +52,7 @@ class DataParallel(NoRankLocalState, BucketedGrads):
         self.module = module
         self.precision = precision
         self.group = inputs.dp_group
+        self.comm = inputs.comm
         self.params = trainable_parameters(module)
         if precision.mixed:
             # Masters come from the fp32 weights before the module is cast, so nothing is rounded away.
@@ -67,6 +69,7 @@ class DataParallel(NoRankLocalState, BucketedGrads):
                                               counts_in_norm=inputs.counts_in_norm)
         views = {id(p): b.slot_view(i).view_as(p) for b in self.buckets.buckets for i, p in enumerate(b.params)}
         self._grad_views = [views[id(p)] for p in self.params]
+        register_replicated(module.parameters(), self)
 
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(reduce)
@@ -83,6 +86,16 @@ class DataParallel(NoRankLocalState, BucketedGrads):
 
     def sync_params(self) -> None:
         """Nothing to gather: every rank already holds what it stepped (stage 0), or gathers on use (stage 3)."""
+
+    def keep_edits(self, params: list[torch.nn.Parameter], src: int) -> None:
+        """Rank `src`'s values of `params` everywhere and in their masters ([Note: edits reach the masters])."""
+        for p in params:
+            self.comm.broadcast(p.data, src, self.group).wait()
+        if self.precision.mixed:
+            master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+            for p in params:
+                if id(p) in master_of:
+                    take_edits(master_of[id(p)], p)
 
     def explain_forward_error(self, error: BaseException) -> str | None:
         return None  # the module holds its whole parameters: nothing of ours can be the cause

@@ -26,6 +26,7 @@ import torch
 
 from ..offload import make_optimizer_offload
 from ..protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
+from .edits import register_replicated, take_edits
 from .flat_param import BucketLayout
 from .grad_buckets import Bucket, BucketedGrads, GradBuckets, plan_grad_buckets
 from .reducers import GradAveraging, ReduceScatterMean
@@ -56,6 +57,7 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
         self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm, counts_in_norm=inputs.counts_in_norm)
         self.optimizer = inputs.make_optimizer(self._master_groups(inputs.param_groups))
         self.offload.bind(self.optimizer)
+        register_replicated(self.module.parameters(), self)
 
     def _flatten(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the bucket's parameters into one flat buffer; return it and this rank's master slice."""
@@ -103,6 +105,18 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
             pending.append(self.comm.all_gather(flat, flat[lo:hi], self.group))
         for p in pending:
             p.wait()
+
+    def keep_edits(self, params: list[torch.nn.Parameter], src: int) -> None:
+        """Rank `src`'s values of `params` everywhere and in this rank's master slices ([Note: edits reach the
+        masters])."""
+        for p in params:
+            self.comm.broadcast(p.data, src, self.group).wait()
+        edited = {id(p) for p in params}
+        with self.offload.resident():
+            for i, bucket in enumerate(self.buckets.buckets):
+                if not self._aliased[i] and any(id(p) in edited for p in bucket.params):
+                    lo, hi = bucket.shard
+                    take_edits(self.masters[i], self.param_flats[i][lo:hi])
 
     def explain_forward_error(self, error: BaseException) -> str | None:
         return None  # the module's parameters are whole views into the flat buffers: nothing of ours can be the cause

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from ... import accelerator
 from ...distributed import Collectives, Group, init_distributed
+from ..edits import take_edits
 from .ds_attributes import mark_partitioned
 from .hf_init import partitioned_hf_initialisation
-from .registry import INIT_SHARD_OF, UNIT_OF, InitShard
+from .registry import INIT_SHARD_OF, REPLICATED_OWNER, UNIT_OF, InitShard
 from .unit import held
 
 
@@ -117,21 +118,26 @@ def is_partitioned(param: torch.nn.Parameter) -> bool:
 
 
 class GatheredParameters(contextlib.AbstractContextManager):
-    """Whole parameters inside the block; with `modifier_rank`, that rank's changes are kept everywhere, without
-    it changes are dropped (as in DeepSpeed).
+    """Whole parameters inside the block; with `modifier_rank`, that rank's changes are kept everywhere, in the
+    fp32 masters too ([Note: edits reach the masters] in zero/edits.py); without it changes to partitioned
+    parameters are dropped (as in DeepSpeed).
 
-    A collective: every rank must enter it with the same parameters. Parameters that are not partitioned pass
-    through untouched. Tensors taken from the parameters inside the block (`p.data`, `p.detach()`) stay valid
-    after it: the gathered storage is left to them rather than freed in place.
+    A collective: every rank must enter it with the same parameters. Parameters that are not partitioned (stages
+    0-2, or no engine) are already whole; with `modifier_rank` those of an engine are broadcast from that rank on
+    exit. Tensors taken from the parameters inside the block (`p.data`, `p.detach()`) stay valid after it: the
+    gathered storage is left to them rather than freed in place.
     """
 
     def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
                  fwd_module: Any = None, enabled: bool = True):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.params: list[torch.nn.Parameter] = []
+        self.replicated: list[torch.nn.Parameter] = []
         for p in params if enabled else []:
             if is_partitioned(p) and all(p is not q for q in self.params):
                 self.params.append(p)
+            elif p in REPLICATED_OWNER and all(p is not q for q in self.replicated):
+                self.replicated.append(p)
         self.modifier_rank = modifier_rank
         self._units: list[Any] = []
         self._gathered: list[tuple[torch.nn.Parameter, torch.dtype]] = []  # zero.Init parameters this block gathered
@@ -157,6 +163,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         with torch.no_grad():
             if self.modifier_rank is not None:
                 self._broadcast_changes()
+                self._keep_replicated_edits()
             for p, dtype in self._gathered:
                 entry = INIT_SHARD_OF[p]
                 if self.modifier_rank is not None:
@@ -180,10 +187,19 @@ class GatheredParameters(contextlib.AbstractContextManager):
             lo, hi = unit.layout.shard_range(unit.group.rank, unit.group.size)
             if unit.master is not None:
                 with unit_master_resident(unit):
-                    unit.master.data.copy_(unit.full[lo:hi])
+                    take_edits(unit.master, unit.full[lo:hi])
             if not unit.aliased:
                 unit.home.store(unit.index, unit.shard, unit.full[lo:hi])
             unit.drop_secondary()
+
+    def _keep_replicated_edits(self) -> None:
+        by_owner: dict[int, tuple[Any, list[torch.nn.Parameter]]] = {}
+        for p in self.replicated:
+            owner = REPLICATED_OWNER[p]()
+            if owner is not None:  # else its engine is gone: nothing holds a master
+                by_owner.setdefault(id(owner), (owner, []))[1].append(p)
+        for owner, params in by_owner.values():
+            owner.keep_edits(params, self.modifier_rank)
 
 
 def unit_master_resident(unit: Any) -> contextlib.AbstractContextManager:

@@ -1,4 +1,5 @@
-"""The side table from a partitioned parameter to where its data lives.
+"""The side table from a partitioned parameter to where its data lives (and from a parameter held whole at
+stages 0-2 to the strategy that keeps its master).
 
 `GatheredParameters(params)` and `register_external_parameter(module, param)` are DeepSpeed's API and
 receive bare parameters, with no engine in reach, so this table is the one deliberate module-level
@@ -50,6 +51,8 @@ UNIT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> ParamUnit
 INIT_SHARD_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> InitShard
 EXTERNAL_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Module -> list[Parameter]
 DS_ID_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> its DeepSpeed `ds_id`, kept from zero.Init to the engine
+# Parameter -> weakref to the stage 0-2 strategy holding it whole (zero/edits.py, [Note: edits reach the masters])
+REPLICATED_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

@@ -9,11 +9,22 @@ empty placeholder for each partitioned one. Placeholders are never returned sile
 and says how to get whole weights. Whole weights come from `consolidated_state_dict` (a collective: every
 rank calls it, rank 0 receives the weights; `engine._zero3_consolidated_16bit_state_dict()`), which
 `engine.save_16bit_model` writes.
+
+A `save_pretrained` (transformers', PEFT's: any method of that name) that asks for its own model's state
+dict writes what it gets: placeholders there would make a weights file of empty tensors, which
+`from_pretrained` refuses later. There a placeholder raises instead, before any weight is written, and the
+error says how to gather first. It cannot gather itself: the call is typically on rank 0 alone
+(`if rank == 0: model.save_pretrained(out)`), where a gather would wait forever for the other ranks.
+Everywhere else it stays a warning: transformers' own ZeRO-3 `from_pretrained` reads `state_dict()` of a
+partitioned model for its keys, PEFT reads the keys of its `modules_to_save` parts inside a `save_pretrained`
+given a consolidated state dict, and DeepSpeed-Chat's `save_hf_format` writes the local state dict on rank 0
+before overwriting it with the gathered weights.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -60,6 +71,17 @@ class LocalStateDict:
             self._top = None
             if self._placeholders:
                 shown = ", ".join(self._placeholders[:3]) + (" ..." if len(self._placeholders) > 3 else "")
+                if _saved_by_save_pretrained(module):
+                    raise RuntimeError(
+                        f"save_pretrained: {len(self._placeholders)} parameters of this ZeRO-3 model are partitioned "
+                        f"({shown}): this rank holds only a slice of each, so the state dict would hold empty "
+                        "placeholders and the file would have no weights. No weights were written. Gather on every "
+                        "rank first: `with shardwise.zero.GatheredParameters(list(model.parameters())): if rank == 0: "
+                        "model.save_pretrained(out)` (deepspeed.zero.GatheredParameters under the deepspeed "
+                        "package), or pass state_dict=engine._zero3_consolidated_16bit_state_dict() (called on every "
+                        "rank; rank 0 receives the weights, the others None); or call engine.save_16bit_model(out) on "
+                        "every rank (with stage3_gather_16bit_weights_on_model_save), or engine.save_checkpoint(dir) "
+                        "and then `shardwise checkpoint to-fp32 dir out`.")
                 logger.warning(f"ZeRO-3 state_dict(): {len(self._placeholders)} partitioned parameters ({shown}) "
                                "are empty placeholders: this rank holds only a slice of them and state_dict() does not "
                                f"communicate at stage 3 (so calling it on one rank cannot hang); {_HOW}.")
@@ -68,6 +90,17 @@ class LocalStateDict:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _saved_by_save_pretrained(module: torch.nn.Module) -> bool:
+    """Whether a `save_pretrained` of `module` itself asked for this state dict (not one of a part of it,
+    which PEFT asks for its keys only)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "save_pretrained" and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def consolidated_state_dict(root: torch.nn.Module, rank: int, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
