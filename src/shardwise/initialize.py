@@ -34,7 +34,7 @@ from .runtime.engine import Engine
 from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
 from .sparse_attention.apply import apply_sparse_attention
-from .runtime.tensor_parallel_setup import data_parallel_size, split_model, tensor_parallel_size
+from .tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
 

@@ -1,5 +1,5 @@
 """The shape of `src/shardwise`, checked from the source text: imports flow one way (no circle between
-packages, contracts in a leaf), callers never probe a strategy for attributes, and README's Layout names
+packages, nor between files, contracts in a leaf), callers never probe a strategy for attributes, and README's Layout names
 exactly what `ls` shows."""
 
 from __future__ import annotations
@@ -70,6 +70,51 @@ def test_the_walk_finds_a_circle_when_there_is_one():
     assert _cycle_through("a", {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle_through("a", {"a": {"b"}, "b": set()}) is None
     assert "runtime" in _edges()["initialize"]  # the walk sees real imports
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _file_edges() -> dict[str, set[str]]:
+    """Module → the shardwise modules it imports (any depth, TYPE_CHECKING included; `from p import x` counts
+    as importing p.x when that is a module, else p)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+                target = ".".join(p for p in (base, node.module or "") if p)
+                if target.startswith("shardwise"):
+                    found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else known(target)
+                              for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {known(a.name) for a in node.names if a.name.startswith("shardwise")}
+        edges[name] = found - {None, name}
+    return edges
+
+
+def test_no_import_circle_between_files():
+    edges = _file_edges()
+    circles = {" → ".join(c) for name in sorted(edges) if (c := _cycle_through(name, edges))}
+    assert not circles, f"import circles between files of src/shardwise: {sorted(circles)}"
+
+
+def test_the_file_walk_sees_real_imports():
+    edges = _file_edges()
+    assert "shardwise.runtime.engine" in edges["shardwise.initialize"]
+    assert "shardwise.protocols.engine" in edges["shardwise.runtime.watchers"]  # a TYPE_CHECKING import counts
+    assert "shardwise.inference.serve.options" in edges["shardwise.inference.serve.worker"]
 
 
 def test_protocols_import_no_implementation():

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from shardwise.inference.serve.batching import (Batch, RequestQueue, Row, Sampling, ShuttingDown, left_padded,
                                                 take_batch)
-from shardwise.inference.serve.cli import ServeOptionError, build_parser, listening_socket, load_options
+from shardwise.inference.serve.options import ServeOptionError, build_parser, listening_socket, load_options
 from shardwise.inference.serve.protocol import (CompletionRequest, Finished, completion_response, cut_at_stop,
                                                 finish, unsupported)
 

@@ -1,6 +1,8 @@
-"""Pipeline parallelism. So far its pure base: the schedules (which stage forwards, backwards, sends and
-receives what, in which order) and a simulator that runs them on paper. PipelineModule, the p2p layer and
-the executor (train_batch / eval_batch) come on top and follow these lists; none of this imports torch."""
+"""Pipeline parallelism. The pure base — the schedules (which stage forwards, backwards, sends and receives
+what, in which order: GPipe, 1F1B, interleaved, ZB-H1) and a simulator that runs them on paper — imports no
+torch and is what this package exports; PipelineModule (`module.py`), the p2p layer (`p2p.py`), the executor
+that follows a schedule's lists (`executor.py`) and tied weights (`tied.py`) build on it, and
+`runtime/pipe_engine.py` puts them behind train_batch / eval_batch."""
 
 from .instructions import Instruction, Op, Schedule
 from .interleaved import interleaved_1f1b

@@ -1,6 +1,6 @@
 """One rank of a run, as `shardwise plan` sees it before the run: the data-parallel size and the model split over
 the tensor-parallel ranks, decided by the very functions `initialize` decides them with
-(runtime/tensor_parallel_setup.py), so the CLI plans what the engine's step-2 check plans (see
+(tensor_parallel/setup.py), so the CLI plans what the engine's step-2 check plans (see
 [Note: one account of a rank]).
 
 [Note: one account of a rank] The engine plans the module it trains, which AutoTP has already split, over its
@@ -22,7 +22,7 @@ from ..config import Config
 from ..config.parse import parse_config
 from ..distributed.topology import Group
 from ..pipeline.module import PipelineModule
-from ..runtime.tensor_parallel_setup import data_parallel_size, split_model, tensor_parallel_size
+from ..tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from ..tensor_parallel import TensorLink
 
 

@@ -1,6 +1,6 @@
-"""What the checkpoint package and the parameter-access helpers need of a training engine
-(`runtime.Engine` implements it): they are called with the engine but must not import `runtime`,
-which imports them."""
+"""What the checkpoint package, the parameter-access helpers and the engine's watchers (the out-of-memory
+explainer, the plan probe) need of a training engine (`runtime.Engine` implements it): they are called with the
+engine but must not import the engine's module, which imports them."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ class TrainingEngine(Protocol):
     global_samples: int
     micro_steps: int
     window_micro_steps: int
+    device: torch.device
+    global_rank: int
+    instruments: Any
+    """The engine's `profiling.Instruments` (timers, memory and activation trackers); typed loosely so that this
+    leaf need not import profiling."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -48,3 +53,6 @@ class TrainingEngine(Protocol):
     def train_batch_size(self) -> int: ...
 
     def gradient_accumulation_steps(self) -> int: ...
+
+    def memory_breakdown(self) -> Any:
+        """This rank's memory by part now (`profiling.memory.MemoryBreakdown`)."""

@@ -32,7 +32,7 @@ from ..planner.shape import ActivationProfile, ModelShape
 from ..profiling.units import binary_bytes
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..protocols.engine import TrainingEngine as Engine
 
 logger = logging.getLogger("shardwise")
 

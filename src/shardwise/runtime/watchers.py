@@ -13,7 +13,7 @@ from ..config.notes import note_once
 from ..planner.probe import PlanProbe
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..protocols.engine import TrainingEngine as Engine
 
 logger = logging.getLogger("shardwise")
 

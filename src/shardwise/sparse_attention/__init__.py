@@ -1,4 +1,4 @@
-"""Block-sparse attention with DeepSpeed's names (issue 23): layouts (`layouts.py`), the attention module
+"""Block-sparse attention with DeepSpeed's names: layouts (`layouts.py`), the attention module
 (`attention.py`) on flex_attention or SDPA (`kernel.py`), Hugging Face helpers (`utils.py`, `hf.py`) and
 the config hook `initialize` calls (`apply.py`)."""
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...distributed.pending import CollectiveError
 from .batching import Batch, Message, RequestQueue, Row, ShuttingDown, left_padded
-from .cli import build_parser, listening_socket, load_options
+from .options import build_parser, listening_socket, load_options
 from .protocol import finish
 
 logger = logging.getLogger(__name__)

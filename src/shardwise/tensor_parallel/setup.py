@@ -18,9 +18,9 @@ from ..config import ConfigError
 from ..config.sections import TensorParallelConfig
 from ..distributed import Collectives, Group, Topology
 from ..pipeline.module import PipelineModule
-from ..tensor_parallel import TensorLink, TensorParallelError, TensorParallelModel, parallelize, resolve_plan
-from ..tensor_parallel.megatron import check_mpu_groups, megatron_split, mpu_tensor_size, recorded_init
-from ..tensor_parallel.sync import sync_from_first
+from . import TensorLink, TensorParallelError, TensorParallelModel, parallelize, resolve_plan
+from .megatron import check_mpu_groups, megatron_split, mpu_tensor_size, recorded_init
+from .sync import sync_from_first
 
 
 def tensor_parallel_size(raw: dict[str, Any], model: torch.nn.Module, mpu: Any) -> int:
