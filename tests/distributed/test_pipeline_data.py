@@ -5,7 +5,9 @@ shows even where the losses look plausible.
 
 Micro-batches are delivered three ways: a fresh iterator per call, one iterator shared by every call (DeepSpeed
 reads micro-batches from it in order, on the first and the last stage alike), and the engine's own loader
-(initialize(training_data=...), train_batch() without data_iter, which advances it).
+(initialize(training_data=...), train_batch() without data_iter, which advances it). "sticky": the first
+train_batch is given an iterator and the later ones none; as in DeepSpeed the given iterator becomes the engine's,
+so they read on from it, not from the engine's loader (given here with other data, so reading it would show).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Call:
 class Case:
     name: str
     accum: int
-    delivery: str  # "fresh", "shared" or "loader"
+    delivery: str  # "fresh", "shared", "loader" or "sticky"
     calls: tuple[Call, ...]
 
 
@@ -50,6 +52,7 @@ def _cases() -> list[Case]:
         for delivery in ("fresh", "shared", "loader"):
             cases.append(Case(f"{CALLS} train_batch, accumulation {accum}, {delivery}", accum, delivery,
                               tuple(_trains(accum))))
+    cases.append(Case(f"{CALLS} train_batch, the first given the iterator", 1, "sticky", tuple(_trains(1))))
     # eval_batch of 1 micro-batch, then training of 2: eval's batch must not become training's first micro-batch
     for delivery in ("fresh", "shared"):
         calls = [Call("eval", (0,), (("num_micro_batches", 1),)), *_trains(2, 2, start=1)]
@@ -89,6 +92,8 @@ def _run(case: Case) -> dict[str, Any]:
         trained = [i for call in case.calls if call.kind == "train" for i in call.micro_batches]
         assert trained == list(range(len(trained)))  # the loader yields micro-batches 0, 1, ... in order
         training_data = [(x[r], y[r]) for x, y in map(_micro_batch, trained) for r in range(MICRO)]
+    if case.delivery == "sticky":  # micro-batches no call reads: the loader must not be read
+        training_data = [(x[r], y[r]) for x, y in map(_micro_batch, range(EVAL_BASE, EVAL_BASE + 8)) for r in range(MICRO)]
     config = pm.pipe_config(MICRO, case.accum, LR, collective_timeout_s=30)  # a stage left waiting fails, not hangs
     engine, _, _, _ = shardwise.initialize(model=module, model_parameters=module.parameters(), config=config,
                                            training_data=training_data)
@@ -97,10 +102,11 @@ def _run(case: Case) -> dict[str, Any]:
     shared = iter([_micro_batch(i) for call in case.calls for i in call.micro_batches])
     per_call = []
     for call in case.calls:
-        data = shared if case.delivery == "shared" else iter([_micro_batch(i) for i in call.micro_batches])
+        data = shared if case.delivery in ("shared", "sticky") else iter([_micro_batch(i) for i in call.micro_batches])
         before = len(inputs)
         if call.kind == "train":
-            out = engine.train_batch(None if case.delivery == "loader" else data)
+            given = case.delivery == "sticky" and call is case.calls[0] or case.delivery not in ("loader", "sticky")
+            out = engine.train_batch(data if given else None)
         else:
             out = engine.eval_batch(data, **dict(call.eval_kwargs))
         loss = out.item() if isinstance(out, torch.Tensor) and out.numel() == 1 else None
@@ -150,7 +156,7 @@ def test_each_call_reads_its_own_micro_batches_and_matches_the_oracle(runs, case
             continue
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), where
         assert last["calls"][index]["loss"] == got["loss"], f"{where}: the stages report different losses"
-    if case.delivery == "shared":  # read to the end by both stages, each micro-batch once
+    if case.delivery in ("shared", "sticky"):  # read to the end by both stages, each micro-batch once
         assert first["left"] == last["left"] == 0
 
 

@@ -169,6 +169,8 @@ class PipelineEngine(Engine):
         if not (self.is_first_stage() or self.is_last_stage()):
             return None  # middle stages read nothing
         if data_iter is not None:
+            if caller == "train_batch":  # as in DeepSpeed: later train_batch() calls read on from it
+                self.data_iterator = data_iter
             return data_iter
         if caller == "eval_batch":
             # the engine's own iterator is training's: evaluating on it would take training's next micro-batches
