@@ -277,8 +277,9 @@ def test_steps_per_print_infinity_means_never(value):
 
 @pytest.mark.parametrize("raw, message", [
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
-     "bf16.bf16_master_weights_and_grads: a DeepSpeed setting that shardwise does not implement yet for values other "
-     "than false (bf16 master weights (shardwise keeps fp32 masters)); got true. Remove it or set it to false."),
+     "bf16.bf16_master_weights_and_grads: a DeepSpeed setting that shardwise does not implement yet without "
+     "bf16.bf16_optimizer_states: true (bf16 master weights with fp32 optimizer state; DeepSpeed runs it only with "
+     "offload_optimizer and DeepSpeedCPUAdam); got bf16_optimizer_states false."),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio: a DeepSpeed setting that shardwise does not implement yet for values "
      "other than 1.0 (partial optimizer offload); got 0.3. Remove it or set it to 1.0."),

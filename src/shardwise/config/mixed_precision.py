@@ -24,6 +24,10 @@ class BF16Config(Section):
     enabled: bool = False
     check_grad_overflow: bool = True
     """Skip the optimizer step when the gradient norm is not finite (DeepSpeed's default since 0.16)."""
+    bf16_master_weights_and_grads: bool = False
+    """The optimizer steps the bf16 parameters themselves, from bf16 gradients: no fp32 master copy (ZeRO 1-3)."""
+    bf16_optimizer_states: bool = False
+    """Optimizer state (Adam's moments) in bf16; needs `bf16_master_weights_and_grads`."""
 
 
 # DeepSpeed's dtype spellings (its DtypeEnum) -> ours.
@@ -72,3 +76,36 @@ class DataTypesConfig(Section):
     @classmethod
     def _dtypes(cls, value: object) -> object:
         return dtype_name(value)
+
+
+def bf16_master_problem(bf16: BF16Config, stage: int, grad_accum_dtype: str | None, offload_optimizer: str) -> str | None:
+    """Why this combination of DeepSpeed's bf16 master-weight keys cannot run, or None.
+
+    Only both keys together are implemented: the optimizer then steps bf16 parameters, and torch's optimizers
+    keep their state in the parameters' dtype. bf16 masters with fp32 state need a host optimizer that keeps
+    fp32 moments beside bf16 weights (DeepSpeedCPUAdam), which shardwise does not have."""
+    master, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+    if not (master or states):
+        return None
+    key = "bf16.bf16_master_weights_and_grads" if master else "bf16.bf16_optimizer_states"
+    if not bf16.enabled:
+        return f"{key}: needs bf16.enabled: true; got bf16 off. Enable bf16 or remove {key}."
+    if states and not master:
+        return ("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads: true (DeepSpeed refuses this "
+                "too); got false. Set both, or remove bf16_optimizer_states.")
+    if stage == 0:
+        return (f"{key}: needs ZeRO stage 1, 2 or 3, as in DeepSpeed (which refuses stage 0 too); got stage 0. Set "
+                "zero_optimization.stage, or remove the bf16 master-weight keys.")
+    if not states:
+        return ("bf16.bf16_master_weights_and_grads: a DeepSpeed setting that shardwise does not implement yet without "
+                "bf16.bf16_optimizer_states: true (bf16 master weights with fp32 optimizer state; DeepSpeed runs it "
+                "only with offload_optimizer and DeepSpeedCPUAdam); got bf16_optimizer_states false. Set "
+                "bf16_optimizer_states: true too, or remove bf16_master_weights_and_grads.")
+    if offload_optimizer != "none":
+        return (f"bf16.bf16_master_weights_and_grads: a DeepSpeed setting that shardwise does not implement yet with "
+                f"zero_optimization.offload_optimizer (bf16 masters and state offloaded); got device "
+                f"{offload_optimizer!r}. Keep the optimizer on the device, or remove the bf16 master-weight keys.")
+    if grad_accum_dtype not in (None, "bf16"):
+        return (f"data_types.grad_accum_dtype: must be bf16 with bf16.bf16_master_weights_and_grads (gradients are "
+                f"kept in bf16, as the key says); got {grad_accum_dtype!r}. Remove data_types.grad_accum_dtype.")
+    return None

@@ -17,7 +17,7 @@ from .base import Section
 from .data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
 from .autotuning import AutotuningConfig
 from .monitoring import CommsLoggerConfig, FileMonitorConfig, FlopsProfilerConfig, WandbConfig
-from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig
+from .mixed_precision import BF16Config, DataTypesConfig, Dtype, FP16Config, TorchAutocastConfig, bf16_master_problem
 from .training import COMPRESSED_OPTIMIZER_NAMES, OptimizerConfig, SchedulerConfig
 from .raw_view import RawConfigView
 from .sparse_attention import SparseAttentionConfig
@@ -303,6 +303,14 @@ class Config(Section, RawConfigView):
                 raise ValueError(
                     f"data_types.{key}: must be the training dtype ({training}, from fp16/bf16.enabled); got "
                     f"{given!r}. Set the matching fp16/bf16 'enabled' flag or remove data_types.{key}.")
+        return self
+
+    @model_validator(mode="after")
+    def _bf16_masters(self) -> Config:
+        problem = bf16_master_problem(self.bf16, self.zero_optimization.stage, self.data_types.grad_accum_dtype,
+                                      self.zero_optimization.offload_optimizer.device)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

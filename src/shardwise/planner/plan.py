@@ -81,18 +81,22 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
     zero = cfg.zero_optimization
     stage, n = zero.stage, world
     width = 2 if (cfg.fp16.enabled or cfg.bf16.enabled) else 4
-    grad_width = 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
+    grad_width = _grad_width(cfg)
     psi = shape.trainable
     opt_home, shard = zero.offload_optimizer.device, (n if stage >= 1 else 1)
     # fp32 parameters are their own masters, unless the optimizer or (at stage 3) the parameters move away
-    # from the device: then the optimizer's fp32 slice is a separate copy where the optimizer runs.
+    # from the device: then the optimizer's fp32 slice is a separate copy where the optimizer runs. bf16
+    # masters (bf16_master_weights_and_grads, never offloaded) are the bf16 parameters' own slices.
+    bf16_masters = cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads
     params_away = stage == 3 and zero.offload_param.device != "none"
-    masters = 4 * psi // shard if width == 2 or opt_home != "none" or params_away else 0
+    separate = (width == 2 and not bf16_masters) or opt_home != "none" or params_away
+    masters = (2 if bf16_masters else 4) * psi // shard if separate else 0
+    state_bytes = _ADAM_STATE_BYTES // 2 if bf16_masters and cfg.bf16.bf16_optimizer_states else _ADAM_STATE_BYTES
     parts = [
         *_parameters(shape, cfg, n, width),
         Part("gradients", device=grad_width * psi // (n if stage >= 2 else 1)),
         _where("master_weights", masters, opt_home),
-        _where("optimizer_state", _ADAM_STATE_BYTES * psi // shard, opt_home),
+        _where("optimizer_state", state_bytes * psi // shard, opt_home),
         Part("gradient_staging", device=grad_width * _staging(shape, cfg)),
         Part("zero3_window", device=width * _window(shape, cfg) if stage == 3 else 0),
         Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len, width)
@@ -121,6 +125,13 @@ def _persistent(shape: ModelShape, cfg: Config) -> int:
     return sum(s for s in shape.module_sizes if s < threshold)
 
 
+def _grad_width(cfg: Config) -> int:
+    """Bytes per accumulated gradient element: bf16 with bf16_master_weights_and_grads or a 16-bit grad_accum_dtype."""
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads:
+        return 2
+    return 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
+
+
 def _where(name: str, nbytes: int, device: str) -> Part:
     if device == "cpu":
         return Part(name, host=nbytes)
@@ -135,7 +146,7 @@ def _staging(shape: ModelShape, cfg: Config) -> int:
     stage, zero = cfg.zero_optimization.stage, cfg.zero_optimization
     if stage < 2:
         return 0
-    grad_width = 2 if cfg.data_types.grad_accum_dtype in ("fp16", "bf16") else 4
+    grad_width = _grad_width(cfg)
     if stage == 2:
         bucket = min(zero.reduce_bucket_size, OVERLAP_BUCKET_BYTES // grad_width)
         return min(shape.trainable, (MAX_IN_FLIGHT + 1) * bucket)

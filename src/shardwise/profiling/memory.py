@@ -184,14 +184,15 @@ class MemoryBreakdown:
 
 
 def expected_model_states(param_bytes: int, numel: int, grad_bytes: int, master_bytes: int,
-                          optimizer: torch.optim.Optimizer, stage: int, dp_size: int) -> int | None:
+                          optimizer: torch.optim.Optimizer, stage: int, dp_size: int, state_bytes: int = 4) -> int | None:
     """The formula in bytes per rank: `param_bytes` of all parameters, and per trainable element `grad_bytes`
-    of gradient, `master_bytes` of master weight and the optimizer's fp32 states. Optimizers not in the
-    table give None."""
+    of gradient, `master_bytes` of master weight and the optimizer's states of `state_bytes` each (fp32, or
+    bf16 with `bf16_optimizer_states`). Optimizers not in the table give None."""
     states = _STATES_PER_ELEMENT.get(type(optimizer).__name__)
     if states is None:
         return None
-    return formula_bytes(numel, dp_size, stage, 0, grad_bytes, states * 4 + master_bytes, frozen_bytes=param_bytes).total
+    return formula_bytes(numel, dp_size, stage, 0, grad_bytes, states * state_bytes + master_bytes,
+                         frozen_bytes=param_bytes).total
 
 
 def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: int, dp_size: int,
@@ -205,11 +206,13 @@ def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: in
     gradients = _tally([*held.grads, *loose], seen)
     state = _tally(_optimizer_state(optimizer), seen)
     buffers = _tally(module.buffers(), seen)
-    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    numel = sum(_whole_numel(p) for p in module.parameters() if p.requires_grad)
     param_bytes = sum(_whole_numel(p) * p.element_size() for p in module.parameters())
     grad_bytes = max(held.grads, key=torch.Tensor.numel).element_size() if held.grads else 4
-    expected = expected_model_states(param_bytes, numel, grad_bytes, 4 if masters.total else 0, optimizer, stage,
-                                     dp_size)
+    # torch's optimizers keep their state in the masters' dtype: fp32, or bf16 with bf16_master_weights_and_grads.
+    state_bytes = held.masters[0].element_size() if held.masters else 4
+    expected = expected_model_states(param_bytes, numel, grad_bytes, state_bytes if masters.total else 0, optimizer,
+                                     stage, dp_size, state_bytes)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return MemoryBreakdown(parameters, frozen, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)

@@ -3,7 +3,8 @@
 The trainable parameters of each optimizer group are laid out in flat buckets (`flat_param.py`),
 padded so every rank owns an equal contiguous slice of each bucket. The module's parameters become
 views into these flat buffers, so the module itself is unchanged for forward, evaluation and
-`state_dict()`. Each rank keeps fp32 master weights and optimizer state only for its slices, steps
+`state_dict()`. Each rank keeps fp32 master weights (with `bf16_master_weights_and_grads`, the bf16
+parameters' own slices) and optimizer state only for its slices, steps
 them, and all-gathers the updated slices back into the flat buffers.
 
 Stage 1 keeps full gradient buckets (reduced once per accumulation window by reduce-scatter into the
@@ -50,7 +51,7 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
                                               self.group.rank, inputs.aio)
         self.param_flats, self.masters = zip(*(self._flatten(b) for b in buckets)) if buckets else ((), ())
         self._aliased = [m.data_ptr() == f[b.shard[0]:].data_ptr() for m, f, b in zip(self.masters, self.param_flats, buckets)]
-        if self.precision.mixed:
+        if self.precision.casts_module:
             self.module.to(dtype=self.precision.param_dtype)  # frozen parameters and buffers
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2)
@@ -71,7 +72,8 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
             master = self.offload.home(full[lo:hi].clone())
             full = full.to(self.precision.param_dtype)
         else:
-            master = self.offload.home(full[lo:hi])  # on the device in fp32, the owned slice is the master
+            # fp32 (or bf16 with bf16_master_weights_and_grads) on the device: the owned slice is the master.
+            master = self.offload.home(full[lo:hi])
         for slot, p in zip(layout.slots, bucket.params):
             p.data = full[slot.offset : slot.offset + slot.numel].view_as(p)
         return full, master

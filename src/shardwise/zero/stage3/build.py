@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ...distributed import Collectives, Group
+from ...precision import PrecisionPolicy
 from ..flat_param import BucketLayout, plan_buckets
 from .ds_attributes import mark_partitioned
 from .leaf import z3_leaf_module
@@ -78,7 +79,7 @@ def _full_values(p: torch.nn.Parameter, comm: Collectives, group: Group, device:
     return init.gather().reshape(-1).to(device=device, dtype=torch.float32)
 
 
-def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Parameter]], param_dtype: torch.dtype,
+def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Parameter]], precision: PrecisionPolicy,
                comm: Collectives, group: Group, live: LiveParams, device: torch.device,
                persistent: bool, trainable: bool, offload: Any, home: Any) -> ParamUnit:
     """Fill this rank's slice one parameter at a time (peak: the slice plus one whole parameter)."""
@@ -86,14 +87,15 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
     shapes = [_shape(p) for p in params]
     layout: BucketLayout = plan_buckets([s.numel() for s in shapes], _NO_CAP, align=group.size)[0]
     lo, hi = layout.shard_range(group.rank, group.size)
-    master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    master = torch.zeros(hi - lo, dtype=precision.master_dtype, device=device)
     for slot, p in zip(layout.slots, params):
         values = _full_values(p, comm, group, device)  # a collective: every rank, whatever it keeps
         start, end, at = layout.owned(slot, group.rank, group.size)
         master[at : at + end - start] = values[start:end]
     master_param = offload.home(master) if trainable else None
-    # fp32 on the device: the slice the optimizer updates is the very one that is all-gathered (no copy).
-    shard = master if param_dtype == torch.float32 else master.to(param_dtype)
+    # Masters in the parameters' dtype (fp32, or bf16 with bf16_master_weights_and_grads) on the device: the
+    # slice the optimizer updates is the very one that is all-gathered (no copy).
+    shard = master.to(precision.param_dtype) if precision.mixed else master
     aliased = master_param is not None and master_param.data_ptr() == shard.data_ptr()
     unit = ParamUnit(index, module_name, params, names, shapes, layout, home.keep(index, shard), group, comm, live,
                      persistent=persistent, master=master_param, home=home,

@@ -66,7 +66,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
         for module_name, group_index, named, persistent in plans:
             frozen_on_node = group_index < 0 and zero.node_local_frozen_weights
             node = inputs.node_split if frozen_on_node else None
-            unit = build_unit(len(self.units), module_name, named, self.precision.param_dtype, self.comm,
+            unit = build_unit(len(self.units), module_name, named, self.precision, self.comm,
                               node.group if node else self.group, self.live, device, persistent,
                               trainable=group_index >= 0, offload=self.offload, home=self.param_home)
             if node is not None:
@@ -76,7 +76,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
                 unit.quant = WEIGHT_QUANT if zero.zero_quantized_weights else None
             self.units.append(unit)
             self.unit_group[unit.index] = group_index
-        if self.precision.mixed:
+        if self.precision.casts_module:
             self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
         self.trainable = [u for u in self.units if u.master is not None]
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
