@@ -77,9 +77,28 @@ def test_repeating_loader_moves_to_the_next_epoch():
     assert loader.epoch == 1 and len(seen) == 7
 
 
-def test_starting_an_epoch_leaves_the_global_rng_alone():
+def _rng_after(first_batch) -> torch.Tensor:
     torch.manual_seed(0)
-    expected = torch.rand(1)
-    torch.manual_seed(0)
-    next(iter(DistributedLoader(DATA, 4, 0, 2, seed=1)))
-    assert torch.equal(torch.rand(1), expected)
+    first_batch()
+    return torch.rand(3)
+
+
+def test_a_fresh_pass_draws_from_the_global_rng_as_deepspeeds_loader_does():
+    """DeepSpeed's loader is a torch DataLoader over a DistributedSampler: each pass draws one number from the
+    global RNG. Drawing the same keeps a script's dropout masks in step with its DeepSpeed run."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    deepspeeds = _rng_after(lambda: next(iter(DataLoader(DATA, 4, sampler=DistributedSampler(DATA, 2, 0)))))
+    assert not torch.equal(deepspeeds, _rng_after(lambda: None))  # the premise: it does draw
+    assert torch.equal(_rng_after(lambda: next(iter(DistributedLoader(DATA, 4, 0, 2, seed=1)))), deepspeeds)
+    second_epoch = DistributedLoader(DATA, 4, 0, 2, seed=1)
+    _ids(second_epoch)
+    second_epoch.set_epoch(1)
+    assert torch.equal(_rng_after(lambda: next(iter(second_epoch))), deepspeeds)
+
+
+def test_a_pass_resumed_mid_epoch_leaves_the_global_rng_alone():
+    """The run it continues drew when the epoch began: a second draw would shift every later random number."""
+    resumed = DistributedLoader(DATA, 4, 0, 2, seed=1)
+    resumed.load_state_dict({**resumed.state_dict(), "consumed": 16})
+    assert torch.equal(_rng_after(lambda: next(iter(resumed))), _rng_after(lambda: None))

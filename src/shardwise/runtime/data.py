@@ -60,8 +60,9 @@ class DistributedLoader:
         self.dataset_size = len(dataset)  # type: ignore[arg-type]
         self.micro_batch_size, self.dp_size, self.drop_last = micro_batch_size, dp_size, drop_last
         self.sampler = EpochSampler(self.dataset_size, dp_rank, dp_size, seed, drop_last, shuffle)
-        # Its own generator: starting an epoch must not draw from torch's global RNG, or a run resumed
-        # mid-epoch (RNG restored, then a new iterator) would see different dropout masks from then on.
+        # Its own generator: the order must not depend on torch's global RNG, or a run resumed mid-epoch (RNG
+        # restored, then a new iterator) would see different dropout masks from then on. The one global draw a
+        # fresh pass makes is __iter__'s ([Note: one global draw per pass]).
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, collate_fn=collate_fn,
                                  drop_last=drop_last, num_workers=num_workers,
                                  generator=torch.Generator().manual_seed(seed))
@@ -94,6 +95,12 @@ class DistributedLoader:
                         self.epoch, self.epoch + 1)
             self.set_epoch(self.epoch + 1)
             start = 0
+        if start == 0:
+            # [Note: one global draw per pass] DeepSpeed's loader is a torch DataLoader without a generator, and
+            # each pass over it begins by drawing one number from torch's global RNG: drawing it too keeps dropout
+            # and every later draw of the script in step with a DeepSpeed run. A pass resumed mid-epoch draws
+            # nothing, because the run it continues drew when that epoch began.
+            torch.empty((), dtype=torch.int64).random_()
         self.sampler.start = self.consumed = start
         total = len(self.loader)
         for read, batch in enumerate(self.loader, 1):

@@ -17,10 +17,12 @@ executor's interleaving of micro-batches.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 import torch
 
+from ..config.notes import note_once_per_job
 from ..distributed.grid import Grid
 from ..pipeline import gpipe, interleaved_1f1b, one_f_one_b
 from ..pipeline import inference as inference_schedule
@@ -65,6 +67,11 @@ class PipelineEngine(Engine):
         self.last_batch: BatchResult | None = None
         """The executor's record of the last train_batch (timeline when executor.record_timeline, in-flight peak)."""
         self._link_training: bool | None = None
+        if self.num_stages > 1 and self.config.gradient_clipping > 0:
+            note_once_per_job(logging.getLogger("shardwise"), logging.INFO, (
+                f"gradient_clipping {self.config.gradient_clipping:g}: clipped by the norm over every stage's "
+                "gradients, as the single-process model would be. DeepSpeed 0.19.8's PipelineEngine clips by the "
+                "first stage's norm alone, so once clipping engages the losses differ from a DeepSpeed run's."))
 
     # --- where this rank sits ---------------------------------------------------------------
     def is_first_stage(self) -> bool:
