@@ -47,12 +47,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs
 
-# The same transformers/peft/accelerate as .venv, with the real DeepSpeed instead of the compat package.
+# The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package.
 $(DS_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(DS_VENV)
 	$(call install_torch,$(DS_VENV)/bin/pip)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
-		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy)==')
+		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
 	touch $@
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
@@ -63,6 +63,7 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +10 -print -delete 2>/dev/null || true
 	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs \
 		tests/distributed/test_deepspeed_parity.py tests/distributed/test_deepspeed_parity_backward.py \
+		tests/distributed/test_deepspeed_parity_bf16_masters.py \
 		tests/unit/test_deepspeed_parity_optim.py tests/unit/test_deepspeed_parity_curriculum.py \
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat

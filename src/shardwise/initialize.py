@@ -73,9 +73,12 @@ def initialize(
     _check_pipeline(cfg, model)
     apply_sparse_attention(model, cfg.sparse_attention)
     groups = _param_groups(optimizer, model_parameters, model)
-    check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
-    make_optimizer = _optimizer_factory(optimizer, cfg)
-    _validate_scheduler(cfg, lr_scheduler)
+    if _forward_only(optimizer, lr_scheduler, cfg, model):
+        groups, make_optimizer = [], _no_optimizer  # nothing trains: no masters, no optimizer state
+    else:
+        check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
+        make_optimizer = _optimizer_factory(optimizer, cfg)
+        _validate_scheduler(cfg, lr_scheduler)
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
 
@@ -106,6 +109,7 @@ def initialize(
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else Engine
     engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank, split)
     engine.random_ltd_scheduler = random_ltd
+    engine.client_optimizer = optimizer  # optimizer_name() reports it, as DeepSpeed's does
     loader = None
     if training_data is not None:
         # a curriculum loader under data_efficiency's data-sampling curriculum; DeepSpeed's pipeline reads in order
@@ -190,6 +194,31 @@ def _optimizer_factory(optimizer: OptimizerArg, cfg: Config) -> MakeOptimizer:
     return lambda groups: build_optimizer(opt_cfg, [g for g in groups if g["params"]])
 
 
+def _forward_only(optimizer: OptimizerArg, lr_scheduler: Any, cfg: Config, model: torch.nn.Module) -> bool:
+    """No optimizer passed or configured: DeepSpeed then builds an engine that runs forward only (at stage 3 its
+    parameters partitioned and gathered for each forward), as TRL's reference models and Hugging Face's
+    evaluation-only runs are prepared. Stages 1-2 partition optimizer state, so they need one (DeepSpeed asserts so
+    too); a pipeline trains by train_batch only."""
+    if optimizer is not None or cfg.optimizer is not None:
+        return False
+    stage = cfg.zero_optimization.stage
+    if isinstance(model, PipelineModule) or stage in (1, 2):
+        what = "a PipelineModule" if isinstance(model, PipelineModule) else f"ZeRO stage {stage}"
+        raise ConfigError([f'optimizer: none given; {what} needs one. Pass optimizer= to initialize or add an '
+                           '"optimizer" section (or, for a model that only runs forward, use stage 0 or 3).'])
+    if lr_scheduler is not None:
+        raise ValueError("lr_scheduler: given without an optimizer, so there is nothing for it to schedule; pass "
+                         "optimizer= to initialize (or an \"optimizer\" section) as well, or drop lr_scheduler.")
+    if cfg.scheduler is not None:
+        note_once_per_job(logger, logging.WARNING, f"scheduler: ignored (type {cfg.scheduler.type!r}): there is no "
+                          "optimizer for it to schedule, as in DeepSpeed. Add an \"optimizer\" section to train.")
+    return True
+
+
+def _no_optimizer(groups: ParamGroups) -> None:
+    return None
+
+
 def _rebind(optimizer: torch.optim.Optimizer) -> MakeOptimizer:
     """Point a client optimizer's groups at the strategy's parameters, keeping its hyper-parameters."""
 
@@ -215,7 +244,7 @@ def _validate_scheduler(cfg: Config, lr_scheduler: Any) -> None:
 def _make_scheduler(cfg: Config, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     if lr_scheduler is not None:
         return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
-    if cfg.scheduler is None:
+    if cfg.scheduler is None or optimizer is None:  # no optimizer: forward only, the section ignored
         return None
     return build_scheduler(cfg.scheduler, optimizer)
 

@@ -32,6 +32,7 @@ _MISSING = object()
 
 
 def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
+    _dotted_top_level_keys(raw)
     zero = raw.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's oldest form: true is stage 1
         raw["zero_optimization"] = {"stage": int(zero)}
@@ -41,6 +42,30 @@ def apply_spellings(raw: dict[str, Any], problems: list[str]) -> None:
     if isinstance(zero, dict):
         _old_offload_flags(zero, problems)
         _stage3_keys_below_stage3(zero)
+
+
+def _dotted_top_level_keys(raw: dict[str, Any]) -> None:
+    """Top-level "section.key"s (TRL's and accelerate's prepare_deepspeed write "zero_optimization.reduce_bucket_size"
+    so): DeepSpeed 0.19.8 reads settings inside their sections only, so such a key changes nothing there and is
+    dropped here with a warning; honouring it would train unlike DeepSpeed. A dotted key whose first part names no
+    section is left for validation (unknown key, "did you mean")."""
+    sections = _sections()
+    dotted = {key: raw.pop(key) for key in list(raw)
+              if isinstance(key, str) and "." in key and key.split(".", 1)[0] in sections}
+    if dotted:
+        given = ", ".join(f"{key}={shown(value)}" for key, value in dotted.items())
+        note_once_per_job(logger, logging.WARNING,
+                          f"config: {given}: ignored, as DeepSpeed ignores them: a setting is read only inside its "
+                          "section, never from a top-level key with a dot. Write it inside the section (e.g. "
+                          '"zero_optimization": {"reduce_bucket_size": ...}) to set it.')
+
+
+def _sections() -> set[str]:
+    """Top-level names that hold a section: shardwise's, and DeepSpeed's that shardwise does not have."""
+    from .sections import Config
+
+    ours = {name for name, field in Config.model_fields.items() if section_type(field.annotation) is not None}
+    return ours | {path.split(".", 1)[0] for path in ds.TABLE if "." in path}
 
 
 def drop_untyped(raw: dict[str, Any]) -> None:

@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 
+_LOWERCASED_BY_DEEPSPEED = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+"""The optimizer types DeepSpeed 0.19.8's config stores in lower case (its DEEPSPEED_OPTIMIZERS); the rest keep the
+case they were written in, and scripts compare optimizer_name() with its lower-case constants."""
+
+
 class DeepSpeedSurface:
     config: Any
     module: torch.nn.Module
@@ -31,6 +36,23 @@ class DeepSpeedSurface:
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
+
+    client_optimizer: Any = None
+    """The optimizer (or optimizer factory) passed to initialize(), as DeepSpeed keeps it; None when the config
+    names the optimizer."""
+
+    def optimizer_name(self) -> str | None:
+        """DeepSpeed's: the class name of the optimizer passed to initialize() (of a factory: its own type, such as
+        'function', as in DeepSpeed), else the config's optimizer.type as DeepSpeed's config keeps it (lower case for
+        the names it lower-cases, else as written: "SGD", "OneBitAdam"), None without either."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        if self.config.optimizer is None:
+            return None
+        section, written = self.config.get("optimizer"), self.config.optimizer.type
+        if isinstance(section, dict) and isinstance(section.get("type"), str):
+            written = section["type"]
+        return written.lower() if written.lower() in _LOWERCASED_BY_DEEPSPEED else written
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

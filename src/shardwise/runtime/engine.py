@@ -45,6 +45,7 @@ from .call_checks import check_loss, explain_dtype_error
 from .out_of_memory import OutOfMemoryExplainer
 from .curriculum_surface import DataEfficiencySurface
 from .deepspeed_surface import DeepSpeedSurface
+from .state_offload import StateParking, kind_names, state_tensors
 from .weights_surface import ConsolidatedWeights
 from .step import NonFiniteGradientError, StepResult, take_step
 
@@ -107,6 +108,8 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         """The planner's step-2 check (`memory_breakdown: true`): `plan_probe.check` once step 2 is done."""
         watchers.autotune_trial(self, self.plan_probe)
         self.out_of_memory = OutOfMemoryExplainer(self)
+        self._parking = StateParking()
+        """What offload_states() took off the accelerator until reload_states()."""
         param_access.register(self)
 
     # --- accumulation boundaries (the rest of DeepSpeed's accessors: deepspeed_surface.py) -------
@@ -124,6 +127,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
 
     # --- training ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._parking.check("engine.forward()", ("lp_params",))
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
         inputs, kwargs = self._curriculum_inputs(inputs, kwargs)  # the legacy seqlen curriculum's cut
@@ -145,7 +149,9 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
                 raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        self._check_trains("engine.backward(loss)")
         check_loss(loss)
+        self._parking.check("engine.backward(loss)", ("lp_params", "lp_grads"))
         self._adopt_param_grads("engine.backward(loss)")  # they sum with this backward's, as torch would
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self._grads_since_step = True
@@ -161,8 +167,10 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        self._check_trains("engine.step()")
         if self._in_no_sync:
             raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
+        self._parking.check("engine.step()")
         self.checkpoint_writer.check()  # a failed background save is raised here, not lost
         boundary = self.is_gradient_accumulation_boundary()
         if self._adopt_param_grads("engine.step()"):
@@ -177,7 +185,14 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self.micro_steps += 1
         self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
 
+    def _check_trains(self, caller: str) -> None:
+        if self.strategy.optimizer is None:
+            raise RuntimeError(f"{caller}: this engine was built without an optimizer (none passed to initialize, no "
+                               "\"optimizer\" section), so it runs forward only, as DeepSpeed's does (a reference or "
+                               "evaluation model). Pass optimizer= to initialize or add an \"optimizer\" section to train.")
+
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
+        self._parking.check("the optimizer step")  # the pipeline engine's train_batch steps here, not in step()
         if self._grads_since_step:
             self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
                                         self.instruments.allgather, self._grad_norm)
@@ -286,7 +301,31 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         """Write `save_dir/<tag>/`; a tag is one directory name (see `shardwise.checkpoint.save_checkpoint`)."""
         from ..checkpoint import save_checkpoint
 
+        self._parking.check("engine.save_checkpoint()")
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
+
+    # --- accelerator memory between phases (state_offload.py) ---------------------------------
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's: free the accelerator memory of this rank's training state of the kinds in `include`
+        (OffloadStateTypeEnum members; default all) by copying it to host memory, until `reload_states()`. State
+        already in host memory stays there. Forward needs lp_params back, backward lp_params and lp_grads, the
+        step and checkpoints everything."""
+        device = getattr(device, "value", device)
+        if device == "none":
+            self._warn_once("offload-none", "engine.offload_states(device=none): nothing offloaded (as in DeepSpeed); "
+                            "pass device=OffloadDeviceEnum.cpu to free accelerator memory.")
+            return
+        if device != "cpu":
+            raise ValueError(f"engine.offload_states(): device {device!r} is not supported; states can be offloaded to "
+                             "host memory only (OffloadDeviceEnum.cpu), as in DeepSpeed, which refuses nvme too.")
+        kinds = kind_names(include, "engine.offload_states()")
+        self.checkpoint_writer.wait()  # a background save may still be reading them
+        self._parking.offload(state_tensors(self.strategy, self.optimizer), kinds, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Put back what `offload_states()` took, byte for byte; nothing to do when nothing is offloaded."""
+        self._parking.reload(non_blocking)
 
     def destroy(self) -> None:
         """Finish a background save and release what the engine holds outside memory (NVMe swap files)."""
@@ -298,6 +337,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
                         load_module_only: bool = False) -> tuple[str | None, dict[str, Any]]:
         from ..checkpoint import load_checkpoint
 
+        self._parking.check("engine.load_checkpoint()")
         self.checkpoint_writer.wait()
         return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
