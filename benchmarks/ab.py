@@ -122,7 +122,7 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     base, head = resolve(args.base), resolve(args.head)
     trees = {rev: checkout(rev, Path(args.trees)) for rev in (base, head)}
-    logs = Path(args.out).with_suffix("") if args.out else RESULTS / "ab" / "logs"
+    logs = REPO_ROOT / "runs" / "ab"  # the lanes' stderr (gitignored)
     logs.mkdir(parents=True, exist_ok=True)
     specs = [("floor", "floor", None)] + [(f"{tag}-zero-{s}", f"zero-{s}", trees[rev] / "src")
                                          for s in args.stages for tag, rev in (("base", base), ("head", head))]
