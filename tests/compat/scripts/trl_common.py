@@ -15,6 +15,23 @@ import torch
 TOKENIZER = Path(__file__).resolve().parents[3] / "examples" / "finetune_llm" / "tiny_llama"
 
 
+def script_args(default_stage: int) -> tuple[argparse.Namespace, str]:
+    """Both scripts' command line, and the DeepSpeed config written as a JSON file in --out (its path)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--base", required=True)
+    p.add_argument("--stage", type=int, default=default_stage)
+    p.add_argument("--no-deepspeed", dest="use_deepspeed", action="store_false")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--local_rank", type=int, default=-1)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ds_path = os.path.join(args.out, "ds_config.json")
+    with open(ds_path, "w") as f:
+        json.dump(ds_config(args.stage), f)
+    return args, ds_path
+
+
 def ds_config(stage: int) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
             "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",

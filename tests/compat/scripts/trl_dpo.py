@@ -6,11 +6,7 @@ the oracle)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
-from tests.compat.scripts.trl_common import base_model, ds_config, report, training_kwargs
+from tests.compat.scripts.trl_common import base_model, report, script_args, training_kwargs
 
 
 def preferences(n: int = 32) -> list[dict]:
@@ -19,18 +15,7 @@ def preferences(n: int = 32) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--base", required=True)
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--no-deepspeed", dest="use_deepspeed", action="store_false")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--local_rank", type=int, default=-1)
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    ds_path = os.path.join(args.out, "ds_config.json")
-    with open(ds_path, "w") as f:
-        json.dump(ds_config(args.stage), f)
+    args, ds_path = script_args(3)
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
