@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import REPO_ROOT, RESULTS, LoadSampler, environment, log, print_columns, spawn, token_batches
+from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, print_columns, spawn,
+                      token_batches)
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 pairs = [(a["wall_ms"], b["wall_ms"]) for a, b in zip(runs, cell.get(ref, []))
                          if "error" not in a and "error" not in b]
                 if pairs and ref != kind:
-                    entry[f"over_{ref.split('-')[0]}"] = round(statistics.median(a / b for a, b in pairs), 3)
+                    entry[f"over_{ref.split('-')[0]}"] = paired_ratio(*zip(*pairs))
             out[kind] = {k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}
             rows.append([name, kind, out[kind]["wall_ms"], out[kind]["cpu_ms"], out[kind].get("over_torch", ""),
                          out[kind].get("over_deepspeed", "")])
