@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from shardwise.distributed.env import free_port
+from tests.compat.zygote import Zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -25,14 +27,17 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
                accelerate_args: list[str] | None = None) -> dict:
     """`python scripts/<name> args` on `world` processes; `launcher` is "torchrun", "deepspeed" (the
     `deepspeed` command next to `python`) or "accelerate". Returns rank 0's RESULT; raises with the output
-    on failure."""
+    on failure. "torchrun" means torchrun's environment for each rank: those runs fork from a pre-imported
+    interpreter (zygote.py), which saves each rank its ~8 s of imports; the launchers themselves are what the
+    "deepspeed" and "accelerate" runs (and tests/distributed's launcher tests) start for real."""
     script = str(SCRIPTS / name)
     port = str(free_port())
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(python),
                 **(env or {})}
+    if launcher == "torchrun" and _zygote_serves(python, full_env):
+        return _forked(python, script, list(args), world, full_env, port, timeout)
     if world == 1 and launcher == "torchrun":
-        full_env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=port)
+        full_env.update(_rank_env(0, 1, port))
         command = [python, script, *args]
     elif launcher == "accelerate":  # `accelerate launch --use_deepspeed`; on CPU accelerate gives DeepSpeed one process
         full_env.update(ACCELERATE_USE_CPU="false")
@@ -44,11 +49,47 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
     else:
         command = [str(Path(python).parent / "deepspeed"), f"--num_gpus={world}", f"--master_port={port}", script, *args]
     done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    output = done.stdout + done.stderr
-    results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if (done.returncode != 0 and not _reference_teardown_abort(python, output)) or not results:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}")
+    return _result(python, command, done.returncode, done.stdout, done.stderr)
+
+
+def _result(python: str, command: list[str], code: int, stdout: str, stderr: str) -> dict:
+    output = stdout + stderr
+    results = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if (code != 0 and not _reference_teardown_abort(python, output)) or not results:
+        raise AssertionError(f"{' '.join(command)} exited {code}:\n{output[-6000:]}")
     return json.loads(results[0])
+
+
+def _rank_env(rank: int, world: int, port: str) -> dict[str, str]:
+    """What torchrun gives each rank (its agent's store aside: rank 0 hosts the rendezvous)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port}
+
+
+_ZYGOTES: dict[str, Zygote] = {}
+
+
+def _zygote_serves(python: str, env: dict[str, str]) -> bool:
+    """torchrun-style runs fork from a pre-imported interpreter (zygote.py) unless SHARDWISE_TEST_ZYGOTE=0, or
+    a run asks for another PYTHONPATH than the zygote was started with."""
+    return os.environ.get("SHARDWISE_TEST_ZYGOTE", "1") != "0" and env["PYTHONPATH"] == _pythonpath(python)
+
+
+def _forked(python: str, script: str, args: list[str], world: int, env: dict[str, str], port: str,
+            timeout: float) -> dict:
+    zygote = _ZYGOTES.get(python)
+    if zygote is None or not zygote.alive():
+        zygote = _ZYGOTES[python] = Zygote(python, {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                                                    "PYTHONPATH": _pythonpath(python)}, str(ROOT))
+    command = [f"(zygote of {python}, torchrun environment x{world})", script, *args]
+    with tempfile.TemporaryDirectory(prefix="zygote-") as logs:
+        outputs = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(world)]
+        envs = [{**env, **_rank_env(r, world, port)} for r in range(world)]
+        codes = zygote.run(script, args, str(ROOT), envs, outputs, timeout)
+        texts = [[Path(path).read_text(errors="replace") for path in pair] for pair in outputs]
+    code = next((c for c in codes if c != 0), 0)
+    return _result(python, command, code, "".join(out for out, _ in texts), "".join(err for _, err in texts))
 
 
 def _reference_teardown_abort(python: str, output: str) -> bool:
