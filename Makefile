@@ -44,15 +44,20 @@ deepspeed-compat: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/shardwise --num_gpus $(NUM_PROCS) examples/demo/train.py
 
+# Two pytest-xdist workers: the tests spend much of their time starting processes and waiting on them, so two
+# workers keep both cores busy (conftest.py keeps each module on one worker). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs $(XDIST)
 
 # The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package.
 $(DS_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(DS_VENV)
 	$(call install_torch,$(DS_VENV)/bin/pip)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
-		pytest pytest-timeout $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
+		pytest pytest-timeout pytest-xdist $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
 	touch $@
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
@@ -61,12 +66,12 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 	@# DeepSpeed builds its CPU ops on first use under torch's file lock; a build killed mid-way (Ctrl-C, a
 	@# timeout) leaves the lock behind and every later load waits on it forever. No build takes 10 minutes.
 	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +10 -print -delete 2>/dev/null || true
-	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs \
+	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs $(XDIST) \
 		tests/distributed/test_deepspeed_parity.py tests/distributed/test_deepspeed_parity_backward.py \
 		tests/distributed/test_deepspeed_parity_bf16_masters.py \
 		tests/unit/test_deepspeed_parity_optim.py tests/unit/test_deepspeed_parity_curriculum.py \
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
-	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs -m deepspeed_parity tests/compat
+	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs $(XDIST) -m deepspeed_parity tests/compat
 
 # The device suite, on a lent GPU machine (README, "The device suite"): installs shardwise and the compat package
 # for real into the image's Python beside its torch 2.11 (no network there: pydantic comes from .whl/, which
