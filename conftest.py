@@ -18,7 +18,8 @@ def _group(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
+    groups = {item: _group(item) for item in items}
+    for item, group in groups.items():
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: _group(item) != "hosts")  # stable: every module keeps its order
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: groups[item] != "hosts")  # stable: every module keeps its order

@@ -32,8 +32,7 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
     "deepspeed" and "accelerate" runs (and tests/distributed's launcher tests) start for real."""
     script = str(SCRIPTS / name)
     port = str(free_port())
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(python),
-                **(env or {})}
+    full_env = {**_script_env(python), **(env or {})}
     if launcher == "torchrun" and _zygote_serves(python, full_env):
         return _forked(python, script, list(args), world, full_env, port, timeout)
     if world == 1 and launcher == "torchrun":
@@ -60,6 +59,11 @@ def _result(python: str, command: list[str], code: int, stdout: str, stderr: str
     return json.loads(results[0])
 
 
+def _script_env(python: str) -> dict[str, str]:
+    """Every script's environment before a run's own additions (the zygote starts with it too)."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(python)}
+
+
 def _rank_env(rank: int, world: int, port: str) -> dict[str, str]:
     """What torchrun gives each rank (its agent's store aside: rank 0 hosts the rendezvous)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
@@ -80,8 +84,7 @@ def _forked(python: str, script: str, args: list[str], world: int, env: dict[str
             timeout: float) -> dict:
     zygote = _ZYGOTES.get(python)
     if zygote is None or not zygote.alive():
-        zygote = _ZYGOTES[python] = Zygote(python, {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                                                    "PYTHONPATH": _pythonpath(python)}, str(ROOT))
+        zygote = _ZYGOTES[python] = Zygote(python, _script_env(python), str(ROOT))
     command = [f"(zygote of {python}, torchrun environment x{world})", script, *args]
     with tempfile.TemporaryDirectory(prefix="zygote-") as logs:
         outputs = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(world)]
