@@ -13,25 +13,28 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import files, layout
 from .errors import CheckpointError
-from .reader import CheckpointReader
+from .reader import open_checkpoint
 from .safetensors_file import SafetensorsWriter
+
+if TYPE_CHECKING:
+    from .reader import AnyReader
 
 INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
-def _specs(reader: CheckpointReader, dtype: torch.dtype, exclude_frozen: bool = False) -> list[Spec]:
+def _specs(reader: AnyReader, dtype: torch.dtype, exclude_frozen: bool = False) -> list[Spec]:
     specs = [(name, dtype, tuple(entry["shape"])) for name, entry in reader.meta["params"].items()
              if entry["trainable"] or not exclude_frozen]
-    rank0 = reader.file(layout.rank_file(0))
     for name in reader.meta.get("persistent_buffers", []):
-        buf = rank0.get_tensor(layout.buffer_key(name))
+        buf = reader.buffer(name)
         specs.append((name, buf.dtype, tuple(buf.shape)))
     return specs
 
@@ -49,7 +52,7 @@ def _plan(specs: list[Spec], max_shard_bytes: int) -> list[list[Spec]]:
     return shards
 
 
-def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _tensor(reader: AnyReader, name: str, dtype: torch.dtype) -> torch.Tensor:
     if name in reader.meta["params"]:
         kind = layout.MASTER if layout.MASTER in reader.kinds(name) else layout.VALUE
         return reader.read_full(name, kind, torch.float32).to(dtype)
@@ -64,7 +67,7 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, tag: str | None = N
     `pickle_format` writes `pytorch_model*.bin` files with `torch.save` instead of safetensors, for
     DeepSpeed's `convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False)`: each such file is
     built whole in memory (torch.save cannot stream), so its peak is one shard rather than one tensor."""
-    reader = CheckpointReader(checkpoint, tag)
+    reader = open_checkpoint(checkpoint, tag)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,7 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, tag: str | None = N
     return written
 
 
-def _write_shard(reader: CheckpointReader, path: Path, specs: list[Spec], pickle_format: bool) -> None:
+def _write_shard(reader: AnyReader, path: Path, specs: list[Spec], pickle_format: bool) -> None:
     """Write one output file through a temporary name, removed on failure; a failed write (a full disk) is
     a CheckpointError naming `path`."""
     tmp = path.with_name(f".{path.name}.partial")

@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cli import parse_size
 from .consolidate import _specs, _tensor, consolidate
 from .errors import CheckpointError
-from .reader import CheckpointReader
+from .reader import open_checkpoint
+
+if TYPE_CHECKING:
+    from .reader import AnyReader
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -28,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 class LazyTensor:
     """One tensor of a checkpoint, read when `.contiguous()` is called (DeepSpeed's `lazy_mode`)."""
 
-    def __init__(self, reader: CheckpointReader, name: str, dtype: torch.dtype):
+    def __init__(self, reader: AnyReader, name: str, dtype: torch.dtype):
         self.reader, self.name, self.dtype = reader, name, dtype
 
     def contiguous(self) -> torch.Tensor:
@@ -48,7 +51,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
                                              lazy_mode: bool = False) -> dict[str, Any]:
     """Name → full fp32 tensor (on the CPU) for every parameter and persistent buffer of the checkpoint;
     with `lazy_mode`, name → `LazyTensor` whose `.contiguous()` reads it."""
-    reader = CheckpointReader(checkpoint_dir, tag)
+    reader = open_checkpoint(checkpoint_dir, tag)
     lazy = {name: LazyTensor(reader, name, dtype)
             for name, dtype, _ in _specs(reader, torch.float32, exclude_frozen_parameters)}
     return lazy if lazy_mode else {name: t.contiguous() for name, t in lazy.items()}

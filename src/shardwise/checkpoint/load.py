@@ -8,7 +8,7 @@ world size M and stage S'.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,15 +18,20 @@ from ..tensor_parallel.shard import TensorShard
 from . import files, layout
 from .errors import CheckpointError
 from .progress import restore_progress
-from .reader import CheckpointReader
+from .reader import open_checkpoint
+
+if TYPE_CHECKING:
+    from .reader import AnyReader
 
 logger = logging.getLogger(__name__)
 
 
 def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load_module_strict: bool,
                     load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
-    reader = CheckpointReader(load_dir, tag)
+    reader = open_checkpoint(load_dir, tag)
     meta = reader.meta
+    if meta.get("origin") == "deepspeed":
+        _check_deepspeed(reader, engine, load_optimizer_states)
     with engine.strategy.resident(), torch.no_grad():
         slots = engine.strategy.state_slots()
         _check_names(reader, _model_names(engine.module), load_module_strict)
@@ -53,6 +58,33 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     return str(reader.path), meta["client_state"]
 
 
+def _check_deepspeed(reader: AnyReader, engine: TrainingEngine, load_optimizer_states: bool) -> None:
+    """Refuse, before anything is loaded, what a DeepSpeed checkpoint cannot give this engine."""
+    meta = reader.meta
+    if load_optimizer_states and meta["stage"] == 0:
+        raise CheckpointError(
+            f"{reader.path}: a DeepSpeed checkpoint saved without ZeRO (stage 0), whose optimizer state is recorded "
+            "by position in DeepSpeed's optimizer, not by parameter name, so it cannot be matched to this model's "
+            "parameters. Pass load_optimizer_states=False to load the weights (and keep training with a fresh "
+            "optimizer), or resume with DeepSpeed.")
+    if load_optimizer_states and engine.optimizer is not None:
+        kinds = {k.removeprefix("state.") for n in meta["params"] if reader.has(n) for k in reader.kinds(n)
+                 if k.startswith("state.")}
+        wants = _STATE_KEYS.get(type(engine.optimizer).__name__)
+        if kinds and wants is not None and not kinds <= wants:
+            raise CheckpointError(
+                f"{reader.path}: DeepSpeed's optimizer ({meta['optimizer']['deepspeed_type'] or 'a client optimizer'}) "
+                f"kept {sorted(kinds)} for each parameter; this engine's {type(engine.optimizer).__name__} keeps "
+                f"{sorted(wants)}. Configure the same optimizer as the saving run, or pass load_optimizer_states=False.")
+
+
+# The element-wise state each of shardwise's optimizers keeps, to check a DeepSpeed checkpoint's against.
+_STATE_KEYS = {name: {"exp_avg", "exp_avg_sq"} for name in ("AdamW", "Adam", "FusedAdam", "CPUAdam", "_AdamWithMode",
+                                                              "FusedLamb", "Lamb", "DeepSpeedCPUAdam")}
+_STATE_KEYS.update({"SGD": {"momentum_buffer"}, "Lion": {"exp_avg"}, "FusedLion": {"exp_avg"}, "CPUAdagrad": {"sum"},
+                    "Adagrad": {"sum"}})
+
+
 def _model_names(module: torch.nn.Module) -> dict[str, bool]:
     """The whole model's parameter names, each with whether it trains: every rank's, since a pipeline stage
     holds only its own layers."""
@@ -65,7 +97,7 @@ def _model_names(module: torch.nn.Module) -> dict[str, bool]:
     return trains
 
 
-def _check_names(reader: CheckpointReader, model: dict[str, bool], strict: bool) -> None:
+def _check_names(reader: AnyReader, model: dict[str, bool], strict: bool) -> None:
     saved = set(reader.meta["params"])
     missing, unexpected = sorted(set(model) - saved), sorted(saved - set(model))
     if strict and (missing or unexpected):
@@ -90,7 +122,7 @@ def _check_names(reader: CheckpointReader, model: dict[str, bool], strict: bool)
         logger.warning("load_checkpoint: parameters not in the checkpoint keep their values: %s%s", missing[:20], more)
 
 
-def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torch.nn.Module,
+def _check_shapes(reader: AnyReader, slots: list[StateSlot], module: torch.nn.Module,
                   shards: dict[str, TensorShard]) -> None:
     """Refuse, on every rank alike, any parameter or buffer whose saved shape differs from the model's.
 
@@ -118,17 +150,19 @@ def _check_shapes(reader: CheckpointReader, slots: list[StateSlot], module: torc
             "never different shapes); build the model with the configuration it was saved from.")
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], reader: CheckpointReader,
+def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], reader: AnyReader,
                     shards: dict[str, TensorShard]) -> None:
     saved = reader.meta["optimizer"]
-    if saved["type"] != type(optimizer).__name__:
+    if saved["type"] is not None and saved["type"] != type(optimizer).__name__:
         raise CheckpointError(f"{reader.path}: optimizer state is for {saved['type']}, the engine has "
                               f"{type(optimizer).__name__}; pass load_optimizer_states=False to load weights only.")
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"{reader.path}: {len(saved['param_groups'])} optimizer parameter groups saved, "
                               f"{len(optimizer.param_groups)} now; build the same groups as the saving run.")
+    foreign = saved["type"] is None  # DeepSpeed's optimizer: only the hyper-parameters this one has carry over
     for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
-        group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in hyper.items()})
+        group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in hyper.items()
+                      if not foreign or k in group})
     for slot in slots:
         if not slot.trainable or not reader.has(slot.name):
             continue
@@ -147,7 +181,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], re
                 state[key] = torch.tensor(value, dtype=torch.float32, device=slot.opt_param.device)
 
 
-def _load_rank_local(engine: TrainingEngine, reader: CheckpointReader) -> None:
+def _load_rank_local(engine: TrainingEngine, reader: AnyReader) -> None:
     """Each rank's own state where the layout is the saving run's; otherwise the strategy falls back (on rank 0's
     or on nothing) and says what it could not restore."""
     meta = reader.meta
@@ -162,9 +196,14 @@ def _load_rank_local(engine: TrainingEngine, reader: CheckpointReader) -> None:
                        "of the state.", reader.path, layout_note, "; ".join(lost))
 
 
-def _restore_rng(reader: CheckpointReader, meta: dict[str, Any]) -> None:
+def _restore_rng(reader: AnyReader, meta: dict[str, Any]) -> None:
     rank = dist.get_rank()
     saved = reader.rng(rank)
+    if saved is None and meta.get("origin") == "deepspeed":
+        if rank == 0:
+            logger.info("load_checkpoint: %s is a DeepSpeed checkpoint, which holds no RNG state and no data loader "
+                        "position; both start afresh.", reader.path)
+        return
     if saved is None:
         logger.warning("load_checkpoint: no RNG state for rank %d (saved at world size %d); RNG not restored.",
                        rank, meta["world_size"])

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..tensor_parallel.shard import TensorShard, assemble, take
 from . import layout
-from .deepspeed_layout import deepspeed_checkpoint_message
+from .deepspeed_layout import deepspeed_checkpoint_message, deepspeed_tag_dir
 from .errors import CheckpointError
 from .manifest import read_manifest
 from .safetensors_file import SafetensorsFile
 from .tags import load_tag_problem
+
+if TYPE_CHECKING:
+    from .deepspeed_reader import DeepSpeedReader
 
 
 def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
@@ -45,6 +49,18 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     if problem:
         raise CheckpointError(f"load_checkpoint: tag {problem} inside {root}; got {tag!r}.")
     return root / str(tag)
+
+
+def open_checkpoint(load_dir: str | Path, tag: str | None = None, verify: bool = True) -> CheckpointReader | DeepSpeedReader:
+    """A reader of the checkpoint `load_dir` and `tag` lead to: shardwise's own (`CheckpointReader`), or one
+    DeepSpeed wrote (`DeepSpeedReader`, which answers the same questions)."""
+    if tag is None or not load_tag_problem(str(tag)):
+        found = deepspeed_tag_dir(Path(load_dir), tag)
+        if found is not None:
+            from .deepspeed_reader import DeepSpeedReader
+
+            return DeepSpeedReader(found)
+    return CheckpointReader(load_dir, tag, verify)
 
 
 class CheckpointReader:
@@ -161,3 +177,8 @@ class CheckpointReader:
             raise CheckpointError(f"{f.path}: has no readable RNG state in its metadata; the file is not one "
                                   "shardwise wrote.") from None
         return {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng|")}, text
+
+
+if TYPE_CHECKING:
+    AnyReader = CheckpointReader | DeepSpeedReader
+    """Either reader: `open_checkpoint`'s answer, which the loader and the consolidation tools take."""

@@ -1,0 +1,32 @@
+"""shardwise resumes the DeepSpeed 0.19.8 checkpoints in tests/data (ZeRO 2 and 3, saved at world size 2 after 3
+steps) at world size 1 and 2 and at other stages, and its next 3 losses are those DeepSpeed's uninterrupted run
+recorded there (reference.json), within 1e-5 relative (fp32; the Adam kernels differ by a few ulps a step).
+
+The same comparison against a live DeepSpeed, over more layouts, precisions and offload, is
+test_deepspeed_checkpoint_migration.py (`make test-deepspeed`); this one runs everywhere, without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume_with_shardwise
+from tests.harness import run_distributed
+
+REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
+# world size -> (saved case, shardwise's stage)
+LOADS = {1: [("zero2", 2), ("zero3", 3), ("zero3", 0)], 2: [("zero2", 3), ("zero3", 1), ("zero3", 3)]}
+
+
+@pytest.mark.parametrize("world", LOADS)
+def test_resumes_deepspeeds_checkpoints_with_its_losses(world):
+    loads = [(str(FIXTURES / case), stage, {}) for case, stage in LOADS[world]]
+    results = run_distributed(resume_with_shardwise, world, loads, timeout=300)[0]
+    for (path, stage), result in results.items():
+        case = path.rsplit("/", 1)[-1]
+        assert result["client"] == {"case": case} and result["global_steps"] == SAVED_AT + MORE
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(REFERENCE["losses_after"][case]),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"{case} at world {world}, stage {stage}: {m}")

@@ -1,0 +1,68 @@
+"""A run moved from DeepSpeed mid-way: DeepSpeed 0.19.8 saves at step 3 (world size 2), shardwise loads that
+checkpoint at world size 1, 2 and 4 and at other ZeRO stages, and its next steps have the losses the
+uninterrupted DeepSpeed run had.
+
+DeepSpeed trains `TinyNet` (two optimizer groups, a frozen parameter, sizes that do not divide by 2 or 4) for
+3 steps, saves, and trains 3 more: those 3 losses are the reference. shardwise builds the same model and
+config at another layout (the same global batch of 4: micro-batch 4 // world), calls `load_checkpoint` on
+DeepSpeed's save directory, and trains the same 3 steps. fp32 losses agree within 1e-5 relative (the Adam
+kernels differ by a few ulps a step; see test_deepspeed_parity.py); bf16 within two bf16 ulps (2**-7),
+as in test_deepspeed_parity_bf16_masters.py.
+
+DeepSpeed is a reference here, never a dependency: `make test-deepspeed` runs this module in .dsvenv, or by
+hand:
+
+    DS_ACCELERATOR=cpu PYTHONPATH=src:. .dsvenv/bin/python -m pytest tests/distributed/test_deepspeed_checkpoint_migration.py -q
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.reference import real_deepspeed
+
+real_deepspeed()  # imported once here so the forked ranks inherit it; skips in shardwise's own venv
+
+from tests.harness import run_distributed  # noqa: E402
+from tests.deepspeed_checkpoints import MORE, SAVED_AT, resume_with_shardwise, save_with_deepspeed  # noqa: E402
+
+FP32_RTOL, BF16_RTOL = 1e-5, 2**-7
+
+# name -> (ZeRO section, precision section) DeepSpeed saves with.
+SAVED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "zero1": ({"stage": 1}, {}),
+    "zero2": ({"stage": 2}, {}),
+    "zero3": ({"stage": 3}, {}),
+    "zero3-offload": ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, {}),
+    "zero2-bf16": ({"stage": 2}, {"bf16": {"enabled": True}}),
+}
+# (saved case, shardwise's world size, shardwise's stage): every saved case at 1, 2 and 4 ranks at its own
+# stage, and the stages crossed (2 -> 3, 3 -> 1, 1 -> 0).
+LOADS = sorted({(case, world, zero["stage"]) for case, (zero, _) in SAVED.items() for world in (1, 2, 4)}
+               | {("zero2", 2, 3), ("zero3", 4, 1), ("zero1", 2, 0), ("zero3-offload", 1, 2)})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict[str, list[float]], dict[tuple[str, int, int], dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp("deepspeed_saves"))
+    theirs = run_distributed(save_with_deepspeed, 2, root, SAVED, timeout=600)[0]
+    ours = {}
+    for world in (1, 2, 4):
+        loads = [(str(Path(root) / case), stage, SAVED[case][1]) for case, w, stage in LOADS if w == world]
+        for (path, stage), result in run_distributed(resume_with_shardwise, world, loads, timeout=600)[0].items():
+            ours[(Path(path).name, world, stage)] = result
+    return theirs, ours
+
+
+@pytest.mark.parametrize("case,world,stage", LOADS, ids=[f"{c}-to-world{w}-stage{s}" for c, w, s in LOADS])
+def test_deepspeed_checkpoint_resumes_with_deepspeeds_losses(runs, case, world, stage):
+    theirs, ours = runs
+    result = ours[(case, world, stage)]
+    assert result["client"] == {"case": case} and result["global_steps"] == SAVED_AT + MORE
+    rtol = BF16_RTOL if SAVED[case][1] else FP32_RTOL
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(theirs[case]), rtol=rtol, atol=0,
+                               msg=lambda m: f"shardwise {result['losses']} vs DeepSpeed {theirs[case]}: {m}")

@@ -1,0 +1,136 @@
+"""DeepSpeed's checkpoint files, read without DeepSpeed and without running anything they hold.
+
+The folders in tests/data/deepspeed_0_19_8_checkpoints/ are what DeepSpeed 0.19.8 wrote for TinyNet at world
+size 2 (ZeRO 2 and 3), with DeepSpeed's own consolidation of each (`fp32.safetensors`, from its
+zero_to_fp32); make.py there rewrites them. Every parameter read by name must equal DeepSpeed's consolidation
+exactly, and a file that names any global beyond the few DeepSpeed objects a checkpoint holds is refused with
+its name, in whichever slot of the folder it sits, before anything in it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file
+from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
+from shardwise.checkpoint.reader import open_checkpoint
+
+FIXTURES = Path(__file__).parents[1] / "data" / "deepspeed_0_19_8_checkpoints"
+STAGES = {"zero2": 2, "zero3": 3}
+
+
+def _copy(tmp_path: Path, case: str) -> Path:
+    return Path(shutil.copytree(FIXTURES / case, tmp_path / case))
+
+
+@pytest.mark.parametrize("case", STAGES)
+def test_every_parameter_equals_deepspeeds_own_consolidation(case):
+    reader = open_checkpoint(FIXTURES / case)  # the save directory: `latest` names global_step3
+    assert isinstance(reader, DeepSpeedReader) and reader.path == FIXTURES / case / "global_step3"
+    expected = load_file(str(FIXTURES / case / "fp32.safetensors"))
+    assert set(reader.meta["params"]) == set(expected)
+    for name, value in expected.items():
+        kind = "master" if reader.trainable[name] else "value"
+        assert torch.equal(reader.read_full(name, kind), value), name
+    meta = reader.meta
+    assert (meta["stage"], meta["world_size"], meta["client_state"]) == (STAGES[case], 2, {"case": case})
+    assert meta["counters"]["global_steps"] == 3 and meta["lr_scheduler"] == {"last_batch_iteration": 2}
+    assert meta["optimizer"]["scalars"] == {"step": 3.0} and len(meta["optimizer"]["param_groups"]) == 2
+    assert reader.kinds("hidden.weight") == {"master", "state.exp_avg", "state.exp_avg_sq"}
+    assert reader.kinds("frozen.weight") == {"value"}
+
+
+@pytest.mark.parametrize("case", STAGES)
+def test_ranges_across_deepspeeds_partitions(case):
+    """Any element range, wherever DeepSpeed's partition boundaries fall, reads what the whole tensor holds."""
+    reader = DeepSpeedReader(FIXTURES / case / "global_step3")
+    for name in ("hidden.weight", "out.bias", "norm.bias"):
+        for kind in ("master", "state.exp_avg_sq"):
+            whole = reader.read_full(name, kind).reshape(-1)
+            for start, end in ((0, 1), (5, whole.numel() - 3), (whole.numel() // 2, whole.numel())):
+                out = torch.full((end - start,), float("nan"))
+                reader.read_into(name, kind, start, end, out)
+                assert torch.equal(out, whole[start:end]), (name, kind, start, end)
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("case", STAGES)
+def test_a_file_that_would_run_code_is_refused_in_every_slot(tmp_path, case):
+    names = sorted(p.name for p in (FIXTURES / case / "global_step3").iterdir())
+    for i, slot in enumerate(names):
+        root = _copy(tmp_path / str(i), case)
+        marker = tmp_path / f"ran-{i}"
+        original = load_deepspeed_file(root / "global_step3" / slot)  # memory-mapped: replaced, not rewritten
+        torch.save({"payload": _RunsCode(marker), **original}, tmp_path / "crafted.pt")  # the payload is met first
+        os.replace(tmp_path / "crafted.pt", root / "global_step3" / slot)
+        with pytest.raises(CheckpointError) as info:
+            DeepSpeedReader(root / "global_step3")
+        message = str(info.value)
+        assert message.startswith(f"{root / 'global_step3' / slot}: refused: the file names ")
+        assert "system'" in message and "nothing in it was run" in message
+        assert not marker.exists()
+
+
+def test_truncated_missing_and_foreign_files(tmp_path):
+    root = _copy(tmp_path, "zero2")
+    optim = root / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[:4000])
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(optim))}: not a readable torch.save file"):
+        open_checkpoint(root)
+    optim.unlink()
+    with pytest.raises(CheckpointError, match=r"holds 2 zero_pp_rank_\*_optim_states.pt files \(ranks 0-1\); found "
+                                              r"ranks \[0\]"):
+        open_checkpoint(root)
+    model = root / "global_step3" / "mp_rank_00_model_states.pt"
+    torch.save([1, 2, 3], model)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(model))}: holds a list, not the dict DeepSpeed saves"):
+        open_checkpoint(root)
+
+
+def test_layouts_not_read_yet_are_refused_by_name(tmp_path):
+    for names, said in ((["layer_00-model_states.pt", "mp_rank_00_model_states.pt"], "pipeline (PipelineModule)"),
+                        (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], "model (tensor) parallelism")):
+        tag = tmp_path / said.split()[0] / "global_step1"
+        tag.mkdir(parents=True)
+        for name in names:
+            (tag / name).write_bytes(b"never opened")
+        with pytest.raises(CheckpointError, match=f"^{re.escape(str(tag))}: a DeepSpeed .*{re.escape(said)}"):
+            open_checkpoint(tag)
+
+
+def test_a_save_directory_without_latest_names_its_newest_tag(tmp_path):
+    root = _copy(tmp_path, "zero2")
+    (root / "global_step3").rename(root / "global_step10")
+    shutil.copytree(root / "global_step10", root / "global_step9")
+    (root / "latest").unlink()
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(root)
+    assert str(info.value).startswith(f"{root}: holds DeepSpeed checkpoints (global_step10/ holds mp_rank_00_model_"
+                                      "states.pt, ") and "pass tag='global_step10'" in str(info.value)
+    assert open_checkpoint(root, "global_step9").path == root / "global_step9"
+
+
+def test_other_folders_keep_their_messages(tmp_path):
+    (tmp_path / "global_step1").mkdir()
+    (tmp_path / "global_step1" / "model_states.pt").write_bytes(b"")  # not a name DeepSpeed writes
+    (tmp_path / "latest").write_text("global_step1")
+    with pytest.raises(CheckpointError, match="manifest.json: missing; .* is not a complete shardwise checkpoint."):
+        open_checkpoint(tmp_path)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        open_checkpoint(tmp_path)
