@@ -75,5 +75,6 @@ def resume_with_shardwise(loads: list[tuple[str, int, dict[str, Any]]]) -> dict[
                                           config=config({"stage": stage}, precision, world))
         _, client = engine.load_checkpoint(root)
         out[(root, stage)] = {"losses": train(engine, range(SAVED_AT, SAVED_AT + MORE)), "client": client,
-                              "global_steps": engine.global_steps}
+                              "global_steps": engine.global_steps,
+                              "loss_scale": engine.precision.loss_scaler.state_dict().get("scale")}
     return out

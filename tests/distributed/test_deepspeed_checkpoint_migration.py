@@ -7,7 +7,8 @@ DeepSpeed trains `TinyNet` (two optimizer groups, a frozen parameter, sizes that
 config at another layout (the same global batch of 4: micro-batch 4 // world), calls `load_checkpoint` on
 DeepSpeed's save directory, and trains the same 3 steps. fp32 losses agree within 1e-5 relative (the Adam
 kernels differ by a few ulps a step; see test_deepspeed_parity.py); bf16 within two bf16 ulps (2**-7),
-as in test_deepspeed_parity_bf16_masters.py.
+as in test_deepspeed_parity_bf16_masters.py; fp16 within one fp16 ulp (2**-10), the loss scale taken over
+from DeepSpeed's (shardwise starts at another one).
 
 DeepSpeed is a reference here, never a dependency: `make test-deepspeed` runs this module in .dsvenv, or by
 hand:
@@ -30,7 +31,7 @@ real_deepspeed()  # imported once here so the forked ranks inherit it; skips in 
 from tests.harness import run_distributed  # noqa: E402
 from tests.deepspeed_checkpoints import MORE, SAVED_AT, resume_with_shardwise, save_with_deepspeed  # noqa: E402
 
-FP32_RTOL, BF16_RTOL = 1e-5, 2**-7
+FP32_RTOL, BF16_RTOL, FP16_RTOL = 1e-5, 2**-7, 2**-10
 
 # name -> (ZeRO section, precision section) DeepSpeed saves with.
 SAVED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -39,11 +40,17 @@ SAVED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "zero3": ({"stage": 3}, {}),
     "zero3-offload": ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, {}),
     "zero2-bf16": ({"stage": 2}, {"bf16": {"enabled": True}}),
+    "zero3-fp16": ({"stage": 3}, {"fp16": {"enabled": True, "initial_scale_power": 8}}),
 }
 # (saved case, shardwise's world size, shardwise's stage): every saved case at 1, 2 and 4 ranks at its own
 # stage, and the stages crossed (2 -> 3, 3 -> 1, 1 -> 0).
 LOADS = sorted({(case, world, zero["stage"]) for case, (zero, _) in SAVED.items() for world in (1, 2, 4)}
                | {("zero2", 2, 3), ("zero3", 4, 1), ("zero1", 2, 0), ("zero3-offload", 1, 2)})
+
+
+def _resumed_precision(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saving run's precision section, but fp16 starting at a loss scale of 2**4: the checkpoint's must win."""
+    return {"fp16": {**saved["fp16"], "initial_scale_power": 4}} if "fp16" in saved else saved
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,8 @@ def runs(tmp_path_factory) -> tuple[dict[str, list[float]], dict[tuple[str, int,
     theirs = run_distributed(save_with_deepspeed, 2, root, SAVED, timeout=600)[0]
     ours = {}
     for world in (1, 2, 4):
-        loads = [(str(Path(root) / case), stage, SAVED[case][1]) for case, w, stage in LOADS if w == world]
+        loads = [(str(Path(root) / case), stage, _resumed_precision(SAVED[case][1])) for case, w, stage in LOADS
+                 if w == world]
         for (path, stage), result in run_distributed(resume_with_shardwise, world, loads, timeout=600)[0].items():
             ours[(Path(path).name, world, stage)] = result
     return theirs, ours
@@ -63,6 +71,8 @@ def test_deepspeed_checkpoint_resumes_with_deepspeeds_losses(runs, case, world, 
     theirs, ours = runs
     result = ours[(case, world, stage)]
     assert result["client"] == {"case": case} and result["global_steps"] == SAVED_AT + MORE
-    rtol = BF16_RTOL if SAVED[case][1] else FP32_RTOL
+    if "fp16" in SAVED[case][1]:
+        assert result["loss_scale"] == 2.0**8, "DeepSpeed's loss scale (2**8, no overflow) was not taken over"
+    rtol = {"bf16": BF16_RTOL, "fp16": FP16_RTOL}.get(next(iter(SAVED[case][1]), ""), FP32_RTOL)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(theirs[case]), rtol=rtol, atol=0,
                                msg=lambda m: f"shardwise {result['losses']} vs DeepSpeed {theirs[case]}: {m}")
