@@ -45,36 +45,69 @@ def train(engine: Any, steps: range) -> list[float]:
     return losses
 
 
-def save_with_deepspeed(root: str, cases: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, list[float]]:
-    """On each rank, with the real DeepSpeed: for each case (ZeRO section, precision section), train SAVED_AT
-    steps, save to `root/<case>` (client_state {"case": case}), train MORE steps; their losses, by case."""
-    import deepspeed
+def _library(name: str) -> Any:
+    """`deepspeed` (the real one, its process group started) or `shardwise`."""
+    import importlib
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    library = importlib.import_module(name)
+    if name == "deepspeed":
+        library.init_distributed(dist_backend="gloo")
+    return library
+
+
+def save_and_continue(name: str, root: str, cases: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, list[float]]:
+    """On each rank, with library `name`: for each case (ZeRO section, precision section), train SAVED_AT steps,
+    save to `root/<case>` (client_state {"case": case}), train MORE steps; their losses, by case."""
+    library = _library(name)
     after = {}
     for case, (zero, precision) in cases.items():
         model = make_model()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                          config=config(zero, precision, int(os.environ["WORLD_SIZE"])))
+        engine, *_ = library.initialize(model=model, model_parameters=param_groups(model),
+                                        config=config(zero, precision, int(os.environ["WORLD_SIZE"])))
         train(engine, range(SAVED_AT))
         engine.save_checkpoint(str(Path(root) / case), client_state={"case": case})
         after[case] = train(engine, range(SAVED_AT, SAVED_AT + MORE))
     return after
 
 
-def resume_with_shardwise(loads: list[tuple[str, int, dict[str, Any]]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """On each rank: for each (DeepSpeed save directory, ZeRO stage, precision section), a shardwise engine at this
-    world size loads the checkpoint and trains MORE steps; its losses, client state and step count."""
-    import shardwise
+def resumed_precision(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saving run's precision section, but fp16 starting at a loss scale of 2**4: the checkpoint's must win."""
+    return {"fp16": {**saved["fp16"], "initial_scale_power": 4}} if "fp16" in saved else saved
 
-    world = int(os.environ["WORLD_SIZE"])  # set by the harness; shardwise.initialize starts the process group
+
+def _loss_scale(engine: Any) -> float | None:
+    """The engine's current loss scale: shardwise's scaler, or DeepSpeed's ZeRO optimizer's."""
+    scaler = getattr(getattr(engine, "precision", None), "loss_scaler", None)
+    if scaler is not None:
+        return scaler.state_dict().get("scale")
+    return getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)
+
+
+def _resumed_model() -> Any:
+    """TinyNet with other trainable weights than the saved run started from (only the checkpoint can make the
+    losses agree) and the same frozen ones: a fine-tune's frozen base is the pretrained model, built the same way
+    in every run (DeepSpeed's ZeRO-3 resume takes frozen weights from the model, not the checkpoint)."""
+    import torch
+
+    model, base = make_model(seed=1), make_model()
+    with torch.no_grad():
+        for (name, param), (_, original) in zip(model.named_parameters(), base.named_parameters()):
+            if not param.requires_grad:
+                param.copy_(original)
+    return model
+
+
+def resume(name: str, loads: list[tuple[str, int, dict[str, Any]]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """On each rank, with library `name`: for each (save directory, ZeRO stage, precision section), an engine at
+    this world size loads the checkpoint and trains MORE steps; its losses, client state's case and step count."""
+    library = _library(name)
+    world = int(os.environ["WORLD_SIZE"])
     out = {}
     for root, stage, precision in loads:
-        model = make_model(seed=1)  # other initial weights: only the checkpoint can make the losses agree
-        engine, *_ = shardwise.initialize(model=model, model_parameters=param_groups(model),
-                                          config=config({"stage": stage}, precision, world))
+        model = _resumed_model()
+        engine, *_ = library.initialize(model=model, model_parameters=param_groups(model),
+                                        config=config({"stage": stage}, precision, world))
         _, client = engine.load_checkpoint(root)
-        out[(root, stage)] = {"losses": train(engine, range(SAVED_AT, SAVED_AT + MORE)), "client": client,
-                              "global_steps": engine.global_steps,
-                              "loss_scale": engine.precision.loss_scaler.state_dict().get("scale")}
+        out[(root, stage)] = {"losses": train(engine, range(SAVED_AT, SAVED_AT + MORE)), "case": client.get("case"),
+                              "global_steps": engine.global_steps, "loss_scale": _loss_scale(engine)}
     return out

@@ -79,6 +79,8 @@ def initialize(
         check_model_parameters(groups, model, given=model_parameters is not None or isinstance(optimizer, torch.optim.Optimizer))
         make_optimizer = _optimizer_factory(optimizer, cfg)
         _validate_scheduler(cfg, lr_scheduler)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_names = [[names[id(p)] for p in g["params"] if id(p) in names] for g in groups]
     if cfg.seed is not None:
         _seed_everything(cfg.seed)
 
@@ -110,6 +112,7 @@ def initialize(
     engine = engine_class(cfg, topology, strategy, precision, comm, scheduler, device, local_rank, split)
     engine.random_ltd_scheduler = random_ltd
     engine.client_optimizer = optimizer  # optimizer_name() reports it, as DeepSpeed's does
+    engine.param_group_names = group_names  # each optimizer group's parameters by name: checkpoint export needs them
     loader = None
     if training_data is not None:
         # a curriculum loader under data_efficiency's data-sampling curriculum; DeepSpeed's pipeline reads in order

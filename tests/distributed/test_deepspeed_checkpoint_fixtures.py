@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume_with_shardwise
+from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume
 from tests.harness import run_distributed
 
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
@@ -24,9 +24,9 @@ LOADS = {1: [("zero2", 2), ("zero3", 3), ("zero3", 0)], 2: [("zero2", 3), ("zero
 @pytest.mark.parametrize("world", LOADS)
 def test_resumes_deepspeeds_checkpoints_with_its_losses(world):
     loads = [(str(FIXTURES / case), stage, {}) for case, stage in LOADS[world]]
-    results = run_distributed(resume_with_shardwise, world, loads, timeout=300)[0]
+    results = run_distributed(resume, world, "shardwise", loads, timeout=300)[0]
     for (path, stage), result in results.items():
         case = path.rsplit("/", 1)[-1]
-        assert result["client"] == {"case": case} and result["global_steps"] == SAVED_AT + MORE
+        assert result["case"] == case and result["global_steps"] == SAVED_AT + MORE
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(REFERENCE["losses_after"][case]),
                                    rtol=1e-5, atol=0, msg=lambda m: f"{case} at world {world}, stage {stage}: {m}")

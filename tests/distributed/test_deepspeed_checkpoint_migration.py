@@ -29,7 +29,7 @@ from tests.reference import real_deepspeed
 real_deepspeed()  # imported once here so the forked ranks inherit it; skips in shardwise's own venv
 
 from tests.harness import run_distributed  # noqa: E402
-from tests.deepspeed_checkpoints import MORE, SAVED_AT, resume_with_shardwise, save_with_deepspeed  # noqa: E402
+from tests.deepspeed_checkpoints import MORE, SAVED_AT, resume, resumed_precision, save_and_continue  # noqa: E402
 
 FP32_RTOL, BF16_RTOL, FP16_RTOL = 1e-5, 2**-7, 2**-10
 
@@ -48,20 +48,15 @@ LOADS = sorted({(case, world, zero["stage"]) for case, (zero, _) in SAVED.items(
                | {("zero2", 2, 3), ("zero3", 4, 1), ("zero1", 2, 0), ("zero3-offload", 1, 2)})
 
 
-def _resumed_precision(saved: dict[str, Any]) -> dict[str, Any]:
-    """The saving run's precision section, but fp16 starting at a loss scale of 2**4: the checkpoint's must win."""
-    return {"fp16": {**saved["fp16"], "initial_scale_power": 4}} if "fp16" in saved else saved
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict[str, list[float]], dict[tuple[str, int, int], dict[str, Any]]]:
     root = str(tmp_path_factory.mktemp("deepspeed_saves"))
-    theirs = run_distributed(save_with_deepspeed, 2, root, SAVED, timeout=600)[0]
+    theirs = run_distributed(save_and_continue, 2, "deepspeed", root, SAVED, timeout=600)[0]
     ours = {}
     for world in (1, 2, 4):
-        loads = [(str(Path(root) / case), stage, _resumed_precision(SAVED[case][1])) for case, w, stage in LOADS
+        loads = [(str(Path(root) / case), stage, resumed_precision(SAVED[case][1])) for case, w, stage in LOADS
                  if w == world]
-        for (path, stage), result in run_distributed(resume_with_shardwise, world, loads, timeout=600)[0].items():
+        for (path, stage), result in run_distributed(resume, world, "shardwise", loads, timeout=600)[0].items():
             ours[(Path(path).name, world, stage)] = result
     return theirs, ours
 
@@ -70,7 +65,7 @@ def runs(tmp_path_factory) -> tuple[dict[str, list[float]], dict[tuple[str, int,
 def test_deepspeed_checkpoint_resumes_with_deepspeeds_losses(runs, case, world, stage):
     theirs, ours = runs
     result = ours[(case, world, stage)]
-    assert result["client"] == {"case": case} and result["global_steps"] == SAVED_AT + MORE
+    assert result["case"] == case and result["global_steps"] == SAVED_AT + MORE
     if "fp16" in SAVED[case][1]:
         assert result["loss_scale"] == 2.0**8, "DeepSpeed's loss scale (2**8, no overflow) was not taken over"
     rtol = {"bf16": BF16_RTOL, "fp16": FP16_RTOL}.get(next(iter(SAVED[case][1]), ""), FP32_RTOL)

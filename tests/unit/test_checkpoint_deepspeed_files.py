@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint.deepspeed_export import export_deepspeed
 from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file
 from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
 from shardwise.checkpoint.reader import open_checkpoint
@@ -134,3 +135,30 @@ def test_other_folders_keep_their_messages(tmp_path):
     (tmp_path / "latest").unlink()
     with pytest.raises(CheckpointError, match="no 'latest' file"):
         open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("case,world,stage", [("zero3", 1, 2), ("zero2", 4, 3), ("zero2", 3, 1), ("zero3", 2, 3)])
+def test_export_writes_deepspeeds_layout_that_reads_back_equal(tmp_path, case, world, stage):
+    """DeepSpeed's checkpoint exported at another layout (DeepSpeed->DeepSpeed resharding): every element of every
+    parameter and optimizer state, and the counters, read back as the source holds them."""
+    written = export_deepspeed(FIXTURES / case, tmp_path, world, stage, tag="moved")
+    assert written == tmp_path / "moved" and (tmp_path / "latest").read_text() == "moved"
+    source, moved = open_checkpoint(FIXTURES / case), open_checkpoint(tmp_path)
+    assert isinstance(moved, DeepSpeedReader) and (moved.stage, moved.world) == (stage, world)
+    for name in source.meta["params"]:
+        assert moved.kinds(name) == source.kinds(name)
+        for kind in source.kinds(name):
+            assert torch.equal(moved.read_full(name, kind), source.read_full(name, kind)), (name, kind)
+    for key in ("counters", "lr_scheduler", "client_state"):
+        assert moved.meta[key] == source.meta[key], key
+    assert moved.meta["optimizer"]["scalars"] == source.meta["optimizer"]["scalars"]
+    assert moved.meta["optimizer"]["groups"] == source.meta["optimizer"]["groups"]
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path):
+    with pytest.raises(CheckpointError, match="ZeRO stage 0 is not written"):
+        export_deepspeed(FIXTURES / "zero2", tmp_path, 2, 0)
+    export_deepspeed(FIXTURES / "zero2", tmp_path, 2, 2)
+    with pytest.raises(CheckpointError, match=f"^export: {re.escape(str(tmp_path / 'global_step3'))} exists"):
+        export_deepspeed(FIXTURES / "zero2", tmp_path, 2, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "latest"]  # no partial folder left

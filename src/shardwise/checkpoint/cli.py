@@ -1,4 +1,4 @@
-"""`shardwise checkpoint inspect CKPT` and `shardwise checkpoint to-fp32 CKPT OUT`."""
+"""`shardwise checkpoint inspect CKPT`, `... to-fp32 CKPT OUT` and `... export --to deepspeed --world N --stage S CKPT OUT`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,15 @@ def to_fp32(args: argparse.Namespace) -> None:
     print(f"wrote {len(paths)} file(s) to {args.out}: {', '.join(p.name for p in paths)}")
 
 
+def export(args: argparse.Namespace) -> None:
+    from .deepspeed_export import export_deepspeed
+
+    written = export_deepspeed(args.checkpoint, args.out, args.world, args.stage, args.tag, args.out_tag,
+                               args.sub_group_size)
+    print(f"wrote DeepSpeed's layout (world size {args.world}, ZeRO stage {args.stage}) to {written}; "
+          f"{written.parent / 'latest'} names it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise checkpoint", description="Inspect or consolidate a checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--bf16", action="store_true", help="write bf16 instead of fp32")
     p.set_defaults(run=to_fp32)
+    p = sub.add_parser("export", help="write a checkpoint in DeepSpeed's layout, for DeepSpeed to resume")
+    p.add_argument("--to", choices=["deepspeed"], required=True, help="the layout to write")
+    p.add_argument("--world", type=int, required=True, help="data-parallel size DeepSpeed will resume at")
+    p.add_argument("--stage", type=int, required=True, choices=[1, 2, 3], help="ZeRO stage DeepSpeed will resume at")
+    p.add_argument("--tag", help="the source's tag (default: its latest)")
+    p.add_argument("--out-tag", help="the tag folder to write (default: global_step<N>)")
+    p.add_argument("--sub-group-size", type=int, default=1_000_000_000,
+                   help="DeepSpeed's zero_optimization.sub_group_size, at stage 3 (default 1e9, its default)")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.set_defaults(run=export)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -12,6 +12,7 @@ reading process with SIGBUS, so load a tag no run is writing.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import zipfile
@@ -93,3 +94,50 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not the dict DeepSpeed saves; it is not a "
                               "DeepSpeed checkpoint file.")
     return data
+
+
+# -- writing: DeepSpeed's own objects, named in the pickle without importing DeepSpeed ---------------------------
+
+class DeepSpeedClass:
+    """A DeepSpeed class as a pickle names it (module, name); only written, never looked up here."""
+
+    def __init__(self, qualified: str) -> None:
+        self.module, _, self.name = qualified.rpartition(".")
+
+    def __call__(self, *args: Any) -> None:  # pickle writes only callables as a reduce's function
+        raise TypeError(f"{self.module}.{self.name} is DeepSpeed's; shardwise only names it in a file it writes.")
+
+
+class DeepSpeedInstance:
+    """An object of `cls` for DeepSpeed to rebuild: `cls(*args)`, then its attributes set to `state`."""
+
+    def __init__(self, cls: str, args: tuple[Any, ...] = (), state: dict[str, Any] | None = None) -> None:
+        self.cls, self.args, self.state = DeepSpeedClass(cls), args, state
+
+
+class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be told about DeepSpeedClass
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, DeepSpeedClass):
+            return obj.name  # a global: written by save_global below
+        if isinstance(obj, DeepSpeedInstance):
+            return (obj.cls, obj.args) if obj.state is None else (obj.cls, obj.args, obj.state)
+        return NotImplemented
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not isinstance(obj, DeepSpeedClass):
+            super().save_global(obj, name)
+            return
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("utf-8"))  # protocol 2, as DeepSpeed writes
+        self.memoize(obj)
+
+
+class _PickleModule:
+    Pickler = _Pickler
+
+
+def save_deepspeed_file(data: dict[str, Any], path: Path) -> None:
+    """`torch.save` `data` to `path`, each DeepSpeedInstance in it pickled as the DeepSpeed object it stands for."""
+    with open(path, "wb") as f:
+        torch.save(data, f, pickle_module=_PickleModule)  # type: ignore[arg-type]
+        f.flush()
+        os.fsync(f.fileno())

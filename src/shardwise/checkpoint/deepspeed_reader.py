@@ -240,7 +240,9 @@ class DeepSpeedReader:
             "topology": {"data": self.world},
             "stage": self.stage,
             "config": {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro,
-                       "gradient_accumulation_steps": accum},
+                       "gradient_accumulation_steps": accum,
+                       "gradient_clipping": float(config.get("gradient_clipping", 1.0)),  # DeepSpeed's default
+                       "fp16": dict(config.get("fp16") or {}), "bf16": dict(config.get("bf16") or {})},
             "counters": {"global_steps": steps, "global_samples": int(common.get("global_samples") or 0),
                          "skipped_steps": int(common.get("skipped_steps") or 0), "micro_steps": steps * accum,
                          "window_micro_steps": 0},
@@ -253,6 +255,7 @@ class DeepSpeedReader:
             "persistent_buffers": list(self.buffers),
             "optimizer": self._optimizer_meta(config),
             "frozen_parameters_excluded": False,
+            "shared_params": dict(common.get("shared_params") or {}),
         }
 
     def _loss_scaler(self) -> dict[str, Any]:
@@ -281,7 +284,8 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.path}: the optimizer groups were stepped different numbers of times "
                                   f"({sorted(steps)}); shardwise keeps one step count for all of them.")
         return {"type": None, "deepspeed_type": kind, "param_groups": hyper,
-                "scalars": {"step": float(steps.pop())} if steps else {}}
+                "scalars": {"step": float(steps.pop())} if steps else {},
+                "groups": [list(shapes) for shapes in self.common["param_shapes"]]}
 
 
 def _tensor_keys(state: dict[str, Any]) -> list[str]:

@@ -78,7 +78,9 @@ def pack_job(engine: TrainingEngine, root: Path, tag: str, client_state: dict[st
                                  copy=copy or engine.strategy.swaps_to_disk, include_frozen=not exclude_frozen)
     persistent = set(persistent_buffers(engine.module))
     buffers = [(n, n in persistent) for n, _ in engine.module.named_buffers()] if first_replica else []
-    meta["params_extra"] = {"optimizer": _optimizer_meta(engine.optimizer)}
+    meta["params_extra"] = {"optimizer": {**_optimizer_meta(engine.optimizer),
+                                          "groups": getattr(engine, "param_group_names", None)},
+                            "shared_params": shared_params(engine.module)}
     rng_tensors, rng_json = files.rng_state()  # captured now, not when a background write runs
     tensors.update(rng_tensors)
     local = engine.strategy.rank_local_state()
@@ -220,6 +222,19 @@ def _pack(engine: TrainingEngine, include_buffers: bool, copy: bool,
 def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
     host = tensor.detach().contiguous().cpu()
     return host.clone() if copy and host.data_ptr() == tensor.data_ptr() else host
+
+
+def shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """Tied weights: each further name a parameter has in the state dict -> its first name (what DeepSpeed's
+    `shared_params` records, and what an exported checkpoint's module state dict must hold again)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def _optimizer_meta(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.deepspeed_checkpoints import SAVED_AT, save_with_deepspeed
+from tests.deepspeed_checkpoints import SAVED_AT, save_and_continue
 from tests.harness import run_distributed
 
 HERE = Path(__file__).parent
@@ -28,7 +28,7 @@ def main() -> None:
 
     for case in CASES:
         shutil.rmtree(HERE / case, ignore_errors=True)
-    after = run_distributed(save_with_deepspeed, 2, str(HERE), CASES, timeout=600)[0]
+    after = run_distributed(save_and_continue, 2, "deepspeed", str(HERE), CASES, timeout=600)[0]
     for case in CASES:
         (HERE / case / "zero_to_fp32.py").unlink(missing_ok=True)  # DeepSpeed's script: not ours to ship
         (HERE / case / "zero_to_torch.py").unlink(missing_ok=True)
