@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume
+from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume, save_and_continue
 from tests.harness import run_distributed
 
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
@@ -30,3 +30,16 @@ def test_resumes_deepspeeds_checkpoints_with_its_losses(world):
         assert result["case"] == case and result["global_steps"] == SAVED_AT + MORE
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(REFERENCE["losses_after"][case]),
                                    rtol=1e-5, atol=0, msg=lambda m: f"{case} at world {world}, stage {stage}: {m}")
+
+
+def test_a_save_in_deepspeeds_layout_resumes_in_shardwise(tmp_path):
+    """`"checkpoint": {"format": "deepspeed"}` at world size 2, ZeRO 3: DeepSpeed's files only, and shardwise
+    resumes them at world size 1, ZeRO 2, with the uninterrupted run's losses."""
+    direct = {"direct": ({"stage": 3}, {"checkpoint": {"format": "deepspeed"}})}
+    ours = run_distributed(save_and_continue, 2, "shardwise", str(tmp_path), direct, timeout=300)[0]
+    assert sorted(p.name for p in (tmp_path / "direct").iterdir()) == [f"global_step{SAVED_AT}", "latest"]
+    assert sorted(p.name for p in (tmp_path / "direct" / f"global_step{SAVED_AT}").iterdir()) == [
+        f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]
+    result = run_distributed(resume, 1, "shardwise", [(str(tmp_path / "direct"), 2, {})], timeout=300)[0]
+    (losses,) = [r["losses"] for r in result.values()]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ours["direct"]), rtol=1e-5, atol=0)

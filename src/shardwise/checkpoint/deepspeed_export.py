@@ -27,8 +27,10 @@ from typing import Any
 import torch
 
 from . import files
+from .deepspeed_layout import deepspeed_files
 from .deepspeed_pickle import DeepSpeedInstance, save_deepspeed_file
 from .errors import CheckpointError
+from .layout import MANIFEST
 from .reader import open_checkpoint
 from .tags import load_tag_problem
 
@@ -39,9 +41,12 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def export_deepspeed(source: str | Path, out_dir: str | Path, world: int, stage: int, source_tag: str | None = None,
-                     tag: str | None = None, sub_group_size: int = 1_000_000_000) -> Path:
+                     tag: str | None = None, sub_group_size: int = 1_000_000_000, replace: bool = False,
+                     latest: bool = True) -> Path:
     """Write `source` (its `latest`, or `source_tag`) to `out_dir/<tag>` in DeepSpeed's layout at data-parallel
-    size `world` and ZeRO `stage` (1-3), and point `out_dir/latest` at it; returns the tag folder."""
+    size `world` and ZeRO `stage` (1-3), and point `out_dir/latest` at it (unless not `latest`); returns the tag
+    folder. With `replace`, an existing DeepSpeed tag folder of that name is replaced once the new one is
+    complete (never anything else)."""
     if stage not in (1, 2, 3):
         raise CheckpointError(f"export: ZeRO stage {stage} is not written; DeepSpeed's stage-0 optimizer state is "
                               "recorded by position in its optimizer, not by name. Export at stage 1, 2 or 3.")
@@ -55,8 +60,9 @@ def export_deepspeed(source: str | Path, out_dir: str | Path, world: int, stage:
         raise CheckpointError(f"export: tag {problem}; got {tag!r}.")
     root = Path(out_dir)
     final, partial = root / tag, root / f".{tag}.partial"
-    if final.exists():
-        raise CheckpointError(f"export: {final} exists; export to another folder or tag, or remove it first.")
+    if final.exists() and not (replace and _is_deepspeed_tag(final)):
+        what = "exists" if not replace else "exists and is not a DeepSpeed checkpoint folder, so it is not replaced"
+        raise CheckpointError(f"export: {final} {what}; export to another folder or tag, or remove it first.")
     try:
         partial.mkdir(parents=True, exist_ok=False)
     except FileExistsError:
@@ -67,9 +73,10 @@ def export_deepspeed(source: str | Path, out_dir: str | Path, world: int, stage:
     try:
         plan.write(partial)
         files.fsync_dir(partial)
-        partial.rename(final)
+        _publish(partial, final)
         files.fsync_dir(root)
-        files.write_durably(root / "latest", tag.encode())
+        if latest:
+            files.write_durably(root / "latest", tag.encode())
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(files.write_error(Path(e.filename or partial), e)) from e
@@ -77,6 +84,22 @@ def export_deepspeed(source: str | Path, out_dir: str | Path, world: int, stage:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return final
+
+
+def _is_deepspeed_tag(folder: Path) -> bool:
+    return folder.is_dir() and not folder.is_symlink() and not (folder / MANIFEST).exists() and bool(deepspeed_files(folder))
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename `partial` to `final`; a DeepSpeed tag already there goes only once the new one is in place."""
+    if not final.exists():
+        partial.rename(final)
+        return
+    old = final.with_name(f".{final.name}.replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old)
 
 
 class _Plan:

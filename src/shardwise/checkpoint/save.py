@@ -64,6 +64,10 @@ def save_checkpoint(engine: TrainingEngine, save_dir: str, tag: str | None, clie
     is most of the bytes): such a checkpoint loads with `load_module_strict=False`, the frozen parameters
     keeping the values the model was built with, as in DeepSpeed.
     """
+    if engine.config.checkpoint.format == "deepspeed":
+        from .deepspeed_save import save_in_deepspeed_layout
+
+        return save_in_deepspeed_layout(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
     return engine.checkpoint_writer.save(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
 

@@ -135,6 +135,9 @@ class CheckpointConfig(Section):
     """What to do when ranks save under different tags (any case, as DeepSpeed)."""
     use_node_local_storage: bool = False
     """Accepted for DeepSpeed configs: every rank already writes only its own file."""
+    format: Literal["shardwise", "deepspeed"] = "shardwise"
+    """"deepspeed" saves in DeepSpeed 0.19's ZeRO layout (at this run's data-parallel size and stage 1-3), for a
+    run to go back to DeepSpeed; shardwise loads either (`shardwise checkpoint export` converts afterwards)."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod
