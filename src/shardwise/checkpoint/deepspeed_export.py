@@ -120,6 +120,15 @@ class _Plan:
                                   "shardwise and save it again, then export.")
         trainable = {n for n, e in meta["params"].items() if e["trainable"]}
         self.groups = [[n for n in group if n in trainable] for group in groups]
+        self.hyper = list(meta["optimizer"]["param_groups"])
+        if len(self.hyper) == len([g for g in self.groups if g]) != len(self.groups):
+            self.groups = [g for g in self.groups if g]  # the optimizer held only groups with a trainable parameter
+        if len(self.hyper) != len(self.groups):
+            raise CheckpointError(f"{reader.path}: {len(self.hyper)} optimizer groups of hyper-parameters for "
+                                  f"{len(self.groups)} groups of parameters; the checkpoint is inconsistent.")
+        if stage == 3:  # DeepSpeed's ZeRO-3 optimizer holds only groups with a trainable parameter
+            kept = [i for i, g in enumerate(self.groups) if g]
+            self.groups, self.hyper = [self.groups[i] for i in kept], [self.hyper[i] for i in kept]
         grouped = {n for group in self.groups for n in group}
         if trainable - grouped:
             raise CheckpointError(f"{reader.path}: trainable parameters in no optimizer group: "
@@ -130,8 +139,8 @@ class _Plan:
         fp16, bf16 = config.get("fp16") or {}, config.get("bf16") or {}
         self.precision = "fp16" if fp16.get("enabled") else "bf16" if bf16.get("enabled") else "fp32"
         self.fp16 = fp16
-        self.kinds = sorted(k for k in (reader.kinds(self.groups[0][0]) if self.groups and self.groups[0] else ())
-                            if k.startswith("state."))
+        first = next((n for g in self.groups for n in g), None)
+        self.kinds = sorted(k for k in (reader.kinds(first) if first else ()) if k.startswith("state."))
         self.sub_group_size = sub_group_size
 
     # -- the files ---------------------------------------------------------------------------------------------
@@ -173,11 +182,14 @@ class _Plan:
         shapes = [OrderedDict((n, torch.Size(meta["params"][n]["shape"])) for n in group) for group in self.groups]
         frozen_shapes = OrderedDict((n, torch.Size(meta["params"][n]["shape"])) for n in self.frozen)
         counters, client = meta["counters"], dict(meta.get("client_state") or {})
+        excluded = bool(meta.get("frozen_parameters_excluded"))
         states: dict[str, Any] = {
             "module": module, "buffer_names": persistent, "optimizer": None, "param_shapes": shapes,
-            "frozen_param_shapes": frozen_shapes,  # DeepSpeed writes them from stage 2: its zero_to_fp32 needs them
+            # DeepSpeed writes these from stage 2 (its zero_to_fp32 reads them; its stage-3 load restores frozen
+            # parameters from them) and leaves them out when frozen parameters are (exclude_frozen_parameters).
+            "frozen_param_shapes": None if excluded else frozen_shapes,
             "shared_params": dict(meta.get("shared_params") or {}),
-            "frozen_param_fragments": self._frozen_fragments(rank),
+            "frozen_param_fragments": None if excluded else self._frozen_fragments(rank),
             "lr_scheduler": meta.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
             "skipped_steps": counters["skipped_steps"], "global_steps": counters["global_steps"],
             "global_samples": counters["global_samples"], "dp_world_size": self.world, "mp_world_size": 1,
@@ -281,12 +293,8 @@ class _Plan:
         return entry
 
     def _param_groups(self, members: list[list[int]]) -> list[dict[str, Any]]:
-        saved = self.meta["optimizer"]["param_groups"]
-        if len(saved) != len(self.groups):
-            raise CheckpointError(f"{self.reader.path}: {len(saved)} optimizer groups of hyper-parameters for "
-                                  f"{len(self.groups)} groups of parameters; the checkpoint is inconsistent.")
         groups = []
-        for hyper, params in zip(saved, members):
+        for hyper, params in zip(self.hyper, members):
             group = {k: (tuple(v) if k == "betas" else v) for k, v in hyper.items() if _plain(v)}
             group.setdefault("bias_correction", True)
             group["step"] = 0  # FusedAdam's group counter, unused by its CPU and CUDA kernels (each state has one)

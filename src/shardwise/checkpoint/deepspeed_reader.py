@@ -254,7 +254,9 @@ class DeepSpeedReader:
             "buffers": list(self.buffers),
             "persistent_buffers": list(self.buffers),
             "optimizer": self._optimizer_meta(config),
-            "frozen_parameters_excluded": False,
+            # DeepSpeed keeps frozen parameters unless saved with exclude_frozen_parameters=True (as Hugging Face's
+            # Trainer saves a peft model): none found means none were saved, by design.
+            "frozen_parameters_excluded": all(self.trainable.values()),
             "shared_params": dict(common.get("shared_params") or {}),
         }
 

@@ -156,11 +156,13 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, slots: list[StateSlot], re
     if saved["type"] is not None and saved["type"] != type(optimizer).__name__:
         raise CheckpointError(f"{reader.path}: optimizer state is for {saved['type']}, the engine has "
                               f"{type(optimizer).__name__}; pass load_optimizer_states=False to load weights only.")
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"{reader.path}: {len(saved['param_groups'])} optimizer parameter groups saved, "
-                              f"{len(optimizer.param_groups)} now; build the same groups as the saving run.")
     foreign = saved["type"] is None  # DeepSpeed's optimizer: only the hyper-parameters this one has carry over
-    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+    # DeepSpeed drops the groups left without a trainable parameter (Hugging Face's no-decay group under LoRA)
+    groups = [g for g in optimizer.param_groups if not foreign or sum(p.numel() for p in g["params"])]
+    if len(saved["param_groups"]) != len(groups):
+        raise CheckpointError(f"{reader.path}: {len(saved['param_groups'])} optimizer parameter groups saved, "
+                              f"{len(groups)} now; build the same groups as the saving run.")
+    for group, hyper in zip(groups, saved["param_groups"]):
         group.update({k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in hyper.items()
                       if not foreign or k in group})
     for slot in slots:

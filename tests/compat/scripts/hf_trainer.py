@@ -32,6 +32,8 @@ def ds_config(args: argparse.Namespace) -> dict:
                                                             "weight_decay": "auto"}}
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                                "warmup_num_steps": "auto"}}
+    if args.save_format:  # shardwise's key: saves in DeepSpeed's layout (the real DeepSpeed is never given it)
+        config["checkpoint"] = {"format": args.save_format}
     return config
 
 
@@ -90,6 +92,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=64, help="the dataset's size (4: one batch, seen at every step)")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
+    p.add_argument("--save_format", default=None, help='shardwise\'s checkpoint.format ("deepspeed")')
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -95,7 +95,11 @@ class Stage3(NoRankLocalState, BucketedGrads):
         groups = [{**g, "params": []} for g in inputs.param_groups]
         for unit in self.trainable:
             groups[self.unit_group[unit.index]]["params"].append(unit.master)
-        self.optimizer = inputs.make_optimizer(groups)
+        self.optimizer = inputs.make_optimizer(groups)  # every group, in order: a client optimizer's map by position
+        if self.optimizer is not None:
+            # then only those with a trainable parameter, as DeepSpeed's ZeRO-3 optimizer holds: a scheduler's or a
+            # Trainer's saved state (one lr per group) carries between the two
+            self.optimizer.param_groups[:] = [g for g in self.optimizer.param_groups if g["params"]]
         self.offload.bind(self.optimizer)
         self.local_state_dict = LocalStateDict(self.module)
 
