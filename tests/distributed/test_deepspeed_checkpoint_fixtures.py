@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from shardwise.checkpoint.deepspeed_import import import_deepspeed
 from tests.deepspeed_checkpoints import FIXTURES, MORE, SAVED_AT, resume, save_and_continue
 from tests.harness import run_distributed
 
@@ -43,3 +44,12 @@ def test_a_save_in_deepspeeds_layout_resumes_in_shardwise(tmp_path):
     result = run_distributed(resume, 1, "shardwise", [(str(tmp_path / "direct"), 2, {})], timeout=300)[0]
     (losses,) = [r["losses"] for r in result.values()]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ours["direct"]), rtol=1e-5, atol=0)
+
+
+def test_an_imported_copy_resumes_with_deepspeeds_losses(tmp_path):
+    import_deepspeed(FIXTURES / "zero2", tmp_path / "copy")
+    result = run_distributed(resume, 2, "shardwise", [(str(tmp_path / "copy"), 3, {})], timeout=300)[0]
+    ((_, outcome),) = result.items()
+    assert outcome["case"] == "zero2" and outcome["global_steps"] == SAVED_AT + MORE
+    torch.testing.assert_close(torch.tensor(outcome["losses"]), torch.tensor(REFERENCE["losses_after"]["zero2"]),
+                               rtol=1e-5, atol=0)

@@ -22,7 +22,8 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.deepspeed_export import export_deepspeed
 from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file
 from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
-from shardwise.checkpoint.reader import open_checkpoint
+from shardwise.checkpoint.cli import main as checkpoint_cli
+from shardwise.checkpoint.reader import CheckpointReader, open_checkpoint
 
 FIXTURES = Path(__file__).parents[1] / "data" / "deepspeed_0_19_8_checkpoints"
 STAGES = {"zero2": 2, "zero3": 3}
@@ -162,3 +163,32 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
     with pytest.raises(CheckpointError, match=f"^export: {re.escape(str(tmp_path / 'global_step3'))} exists"):
         export_deepspeed(FIXTURES / "zero2", tmp_path, 2, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "latest"]  # no partial folder left
+
+
+def test_import_writes_a_shardwise_copy_that_reads_back_equal(tmp_path):
+    assert checkpoint_cli(["import", str(FIXTURES / "zero3"), str(tmp_path)]) == 0
+    source, copy = open_checkpoint(FIXTURES / "zero3"), open_checkpoint(tmp_path)
+    assert isinstance(copy, CheckpointReader) and copy.path == tmp_path / "global_step3"
+    assert copy.meta["origin"] == "deepspeed" and copy.rng(0) is None
+    for name in source.meta["params"]:
+        assert copy.kinds(name) == source.kinds(name)
+        for kind in source.kinds(name):
+            assert torch.equal(copy.read_full(name, kind), source.read_full(name, kind)), (name, kind)
+    for key in ("counters", "lr_scheduler", "client_state", "optimizer"):
+        assert copy.meta[key] == source.meta[key], key
+    assert checkpoint_cli(["import", str(tmp_path), str(tmp_path / "again")]) == 2  # already shardwise's
+
+
+@pytest.mark.parametrize("case", STAGES)
+def test_to_fp32_and_inspect_read_deepspeeds_folders(tmp_path, capsys, case):
+    """`shardwise checkpoint to-fp32` on DeepSpeed's folder writes what DeepSpeed's own zero_to_fp32 does."""
+    assert checkpoint_cli(["to-fp32", str(FIXTURES / case), str(tmp_path)]) == 0
+    ours, theirs = load_file(str(tmp_path / "model.safetensors")), load_file(str(FIXTURES / case / "fp32.safetensors"))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    capsys.readouterr()
+    assert checkpoint_cli(["inspect", str(FIXTURES / case)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == (f"{FIXTURES / case / 'global_step3'}: DeepSpeed 0.19.8 checkpoint, world size 2, ZeRO stage "
+                          f"{STAGES[case]}, step 3 (shardwise loads it as it is)")
+    assert any(line.split()[:3] == ["frozen.weight", "(24,", "24)"] and line.endswith("False     value")
+               for line in printed)

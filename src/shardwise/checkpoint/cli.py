@@ -1,15 +1,17 @@
-"""`shardwise checkpoint inspect CKPT`, `... to-fp32 CKPT OUT` and `... export --to deepspeed --world N --stage S CKPT OUT`."""
+"""`shardwise checkpoint inspect CKPT`, `... to-fp32 CKPT OUT`, `... export --to deepspeed --world N --stage S CKPT
+OUT` and `... import CKPT OUT`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
 from .consolidate import consolidate
 from .errors import CheckpointError
-from .reader import CheckpointReader
+from .reader import CheckpointReader, open_checkpoint
 
 
 def parse_size(text: str) -> int:
@@ -22,8 +24,11 @@ def parse_size(text: str) -> int:
 
 
 def inspect(args: argparse.Namespace) -> None:
-    reader = CheckpointReader(args.checkpoint, args.tag, verify=False)
+    reader = open_checkpoint(args.checkpoint, args.tag, verify=False)
     meta = reader.meta
+    if meta.get("origin") == "deepspeed" and not isinstance(reader, CheckpointReader):
+        _inspect_deepspeed(reader)
+        return
     print(f"{reader.path}: shardwise {meta['shardwise_version']}, format {meta['format_version']}, "
           f"world size {meta['world_size']}, ZeRO stage {meta['stage']}, step {meta['counters']['global_steps']}")
     sizes = ", ".join(f"{n} ({f['bytes'] / 2**20:.1f} MiB)" for n, f in meta["files"].items())
@@ -33,6 +38,19 @@ def inspect(args: argparse.Namespace) -> None:
     for name, entry in meta["params"].items():
         pieces = ", ".join(f"{p['file'].removesuffix('.safetensors')}[{p['start']}:{p['end']}]" for p in entry["pieces"])
         print(f"{name:<{width}}  {str(tuple(entry['shape'])):<18} {entry['dtype']:<9} {str(entry['trainable']):<9} {pieces}")
+
+
+def _inspect_deepspeed(reader: Any) -> None:
+    meta = reader.meta
+    print(f"{reader.path}: DeepSpeed {meta['deepspeed_version']} checkpoint, world size {meta['world_size']}, ZeRO "
+          f"stage {meta['stage']}, step {meta['counters']['global_steps']} (shardwise loads it as it is)")
+    groups = meta["optimizer"].get("groups") or []
+    print(f"optimizer {meta['optimizer']['deepspeed_type'] or 'a client optimizer'}, {len(groups)} group(s)")
+    width = max((len(n) for n in meta["params"]), default=4)
+    print(f"{'parameter':<{width}}  {'shape':<18} {'trainable':<9} kinds")
+    for name, entry in meta["params"].items():
+        print(f"{name:<{width}}  {str(tuple(entry['shape'])):<18} {str(entry['trainable']):<9} "
+              f"{', '.join(sorted(reader.kinds(name)))}")
 
 
 def to_fp32(args: argparse.Namespace) -> None:
@@ -48,6 +66,13 @@ def export(args: argparse.Namespace) -> None:
                                args.sub_group_size)
     print(f"wrote DeepSpeed's layout (world size {args.world}, ZeRO stage {args.stage}) to {written}; "
           f"{written.parent / 'latest'} names it")
+
+
+def import_(args: argparse.Namespace) -> None:
+    from .deepspeed_import import import_deepspeed
+
+    written = import_deepspeed(args.checkpoint, args.out, args.tag, args.out_tag)
+    print(f"wrote a shardwise copy of {args.checkpoint} to {written}; {written.parent / 'latest'} names it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.set_defaults(run=export)
+    p = sub.add_parser("import", help="copy a DeepSpeed checkpoint into shardwise's format (load_checkpoint reads "
+                                      "DeepSpeed's folders directly; this is for a copy on disk)")
+    p.add_argument("--tag", help="the source's tag (default: its latest)")
+    p.add_argument("--out-tag", help="the tag folder to write (default: the source's)")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.set_defaults(run=import_)
     args = parser.parse_args(argv)
     try:
         args.run(args)

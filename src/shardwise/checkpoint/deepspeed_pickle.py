@@ -59,7 +59,8 @@ class Namespace(DeepSpeedObject):
     """argparse.Namespace, which Megatron-DeepSpeed scripts keep in their client state as `args`."""
 
 
-# DeepSpeed 0.14-0.19 write these (and only these) non-torch globals; the names have not moved since 0.10.
+# DeepSpeed 0.19.8 writes these (and only these) non-torch globals in its ZeRO checkpoints (found by listing the
+# GLOBAL opcodes of every file it wrote for the tests); argparse.Namespace is Megatron-DeepSpeed's client state.
 ALLOWED: dict[str, type[DeepSpeedObject]] = {
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScalerState,
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": LossScalerState,

@@ -4,7 +4,7 @@
 `read_full`, buffers), so `load_checkpoint` loads a DeepSpeed checkpoint at any world size and ZeRO stage with
 the same slice-by-slice resharding as its own format, and the consolidation and inference tools read one too.
 
-[Note: DeepSpeed's flat layouts] (DeepSpeed 0.14-0.19; read from the files, which record what is needed)
+[Note: DeepSpeed's flat layouts] (as DeepSpeed 0.19.8 writes them; read from the files, which record what is needed)
 - ZeRO 1/2: each optimizer group's trainable parameters, in `param_shapes[g]` order and each followed by its
   `param_alignment_paddings[g][i]` (0 where absent), form one flat vector, padded at the end and cut into
   `dp_world_size` equal partitions; rank r's file holds partition r (`single_partition_of_fp32_groups[g]`, and
@@ -208,6 +208,12 @@ class DeepSpeedReader:
             parts = [m["frozen_param_fragments"][name].reshape(-1) for m in self._models]
             return torch.cat(parts)[: math.prod(self.shapes[name])].view(self.shapes[name])
         return self.common["module"][name]
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype a frozen parameter was saved in (the training dtype)."""
+        if self.stage == 3:
+            return self._models[0]["frozen_param_fragments"][name].dtype
+        return self.common["module"][name].dtype
 
     def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(math.prod(self.shapes[name]), dtype=dtype)

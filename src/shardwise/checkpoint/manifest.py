@@ -55,7 +55,8 @@ def _problems(meta: dict[str, Any]) -> list[str]:
     if problems:
         return problems
     optimizer = meta["optimizer"]
-    if not (isinstance(optimizer.get("type"), str) and isinstance(optimizer.get("param_groups"), list)
+    foreign = meta.get("origin") == "deepspeed" and optimizer.get("type") is None  # imported: DeepSpeed's optimizer
+    if not ((isinstance(optimizer.get("type"), str) or foreign) and isinstance(optimizer.get("param_groups"), list)
             and isinstance(optimizer.get("scalars"), dict)):
         problems.append("'optimizer' has no type, param_groups and scalars")
     for name, entry in meta["files"].items():

@@ -167,7 +167,7 @@ class CheckpointReader:
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], str] | None:
         name = layout.rank_file(rank)
-        if name not in self.meta["files"]:
+        if name not in self.meta["files"] or self.meta.get("origin") == "deepspeed":  # imported: DeepSpeed keeps none
             return None
         f = self.file(name)
         text = f.metadata().get("rng")
