@@ -22,6 +22,7 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.deepspeed_export import export_deepspeed
 from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file
 from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
+from shardwise.checkpoint.deepspeed_universal import UniversalReader
 from shardwise.checkpoint.cli import main as checkpoint_cli
 from shardwise.checkpoint.reader import CheckpointReader, open_checkpoint
 
@@ -192,3 +193,15 @@ def test_to_fp32_and_inspect_read_deepspeeds_folders(tmp_path, capsys, case):
                           f"{STAGES[case]}, step 3 (shardwise loads it as it is)")
     assert any(line.split()[:3] == ["frozen.weight", "(24,", "24)"] and line.endswith("False     value")
                for line in printed)
+
+
+def test_a_universal_checkpoint_reads_as_the_checkpoint_it_came_from():
+    """DeepSpeed's ds_to_universal.py output of the ZeRO-2 checkpoint (`latest_universal` names it)."""
+    universal, source = open_checkpoint(FIXTURES / "zero2_universal"), open_checkpoint(FIXTURES / "zero2")
+    assert isinstance(universal, UniversalReader) and universal.path.name == "global_step3_universal"
+    for name in source.meta["params"]:
+        assert universal.kinds(name) == source.kinds(name)
+        for kind in source.kinds(name):
+            assert torch.equal(universal.read_full(name, kind), source.read_full(name, kind)), (name, kind)
+    for key in ("counters", "lr_scheduler", "client_state", "loss_scaler", "optimizer", "stage", "world_size"):
+        assert universal.meta[key] == source.meta[key], key

@@ -2,7 +2,8 @@
 
 A script moved from DeepSpeed points `load_checkpoint` at DeepSpeed's save directory (or a Hugging Face
 `checkpoint-N` folder, which is one), whose `latest` names a tag folder such as `global_step10`, or straight at
-the tag folder. DeepSpeed 0.19.8's names in a tag folder:
+the tag folder (or at a universal checkpoint, which `latest_universal` names). DeepSpeed 0.19.8's names in a tag
+folder:
   mp_rank_00_model_states.pt                         the weights (stages 0-2) and the engine's counters
   zero_pp_rank_0_mp_rank_00_model_states.pt          the same at stage 3
   [bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt   each rank's ZeRO optimizer partition
@@ -21,12 +22,14 @@ _MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt")
 _LAYER = re.compile(r"layer_\d+-(model_\d+-)?model_states\.pt")
 _LISTED = 3
+UNIVERSAL_LATEST = "latest_universal"  # what ds_to_universal.py writes beside its <tag>_universal folder
 
 
 def deepspeed_tag_dir(path: Path, tag: str | None = None) -> Path | None:
     """The DeepSpeed tag folder `path` (a save directory or a tag folder) and `tag` lead to; None when they
     lead to no folder of DeepSpeed's files (or to a shardwise checkpoint)."""
-    candidates = [path / tag] if tag is not None else [path, path / (_latest(path) or MANIFEST)]
+    candidates = [path / tag] if tag is not None else [path, path / (_latest(path) or MANIFEST),
+                                                        path / (_latest(path, UNIVERSAL_LATEST) or MANIFEST)]
     for candidate in candidates:
         if not (candidate / MANIFEST).is_file() and deepspeed_files(candidate):
             return candidate
@@ -62,9 +65,9 @@ def deepspeed_files(folder: Path) -> list[str]:
     return [n for n in names if _MODEL_STATES.fullmatch(n) or _OPTIM_STATES.fullmatch(n) or _LAYER.fullmatch(n)]
 
 
-def _latest(root: Path) -> str | None:
+def _latest(root: Path, name: str = LATEST) -> str | None:
     try:
-        tag = (root / LATEST).read_text(encoding="utf-8").strip()
+        tag = (root / name).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return tag if tag and not load_tag_problem(tag) else None

@@ -81,7 +81,7 @@ class DeepSpeedReader:
             raise CheckpointError(f"{path}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_mp_rank_00_"
                                   "model_states.pt at ZeRO-3); the DeepSpeed checkpoint is incomplete.")
         self.common = load_deepspeed_file(path / (shared[0] if shared else per_rank[0]))
-        _expect(path / (shared[0] if shared else per_rank[0]), self.common, ("module", "global_steps"))
+        expect_keys(path / (shared[0] if shared else per_rank[0]), self.common, ("module", "global_steps"))
         self.world = int(self.common.get("dp_world_size", 1))
         config = self.common.get("ds_config") or {}
         optim_names = sorted((n for n in names if re.fullmatch(r"(bf16_)?zero_pp_rank_\d+_mp_rank_00_optim_states\.pt", n)),
@@ -232,6 +232,11 @@ class DeepSpeedReader:
     def rng(self, rank: int) -> None:
         return None
 
+    def _saved_param_groups(self) -> list[dict[str, Any]]:
+        groups = self._optim[0]["optimizer_state_dict"]
+        saved = groups["base_optimizer_state"] if self.stage in (1, 2) else groups["optimizer_state_dict"]
+        return list(saved["param_groups"])
+
     # -- the manifest-like summary -------------------------------------------------------------------------
     def _meta(self, config: dict[str, Any]) -> dict[str, Any]:
         common = self.common
@@ -267,12 +272,14 @@ class DeepSpeedReader:
         }
 
     def _loss_scaler(self) -> dict[str, Any]:
-        """DeepSpeed's loss scaler in shardwise's terms (an empty dict where it has none: bf16, fp32)."""
         if self.stage > 0:
             scaler = self._optim[0]["optimizer_state_dict"].get("loss_scaler")
-            state = vars(scaler) if isinstance(scaler, DeepSpeedObject) else {}
-        else:
-            state = self.common.get("optimizer") or {}
+            return self._scaler_state(vars(scaler) if isinstance(scaler, DeepSpeedObject) else {})
+        return self._scaler_state(self.common.get("optimizer") or {})
+
+    @staticmethod
+    def _scaler_state(state: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's loss scaler in shardwise's terms (an empty dict where it has none: bf16, fp32)."""
         if not state.get("dynamic", state.get("dynamic_loss_scale", False)):
             return {}
         return {"scale": float(state["cur_scale"]), "iteration": int(state["cur_iter"]),
@@ -283,10 +290,8 @@ class DeepSpeedReader:
         kind = (config.get("optimizer") or {}).get("type")
         if self.stage == 0:
             return {"type": None, "deepspeed_type": kind, "param_groups": [], "scalars": {}}
-        groups = self._optim[0]["optimizer_state_dict"]
-        saved = groups["base_optimizer_state"] if self.stage in (1, 2) else groups["optimizer_state_dict"]
         hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in ("params", "step")}
-                 for g in saved["param_groups"]]
+                 for g in self._saved_param_groups()]
         steps = {int(s["step"]) for s in self._scalar_state.values() if "step" in s}
         if len(steps) > 1:
             raise CheckpointError(f"{self.path}: the optimizer groups were stepped different numbers of times "
@@ -304,7 +309,7 @@ def _rank_of(name: str) -> int:
     return int(re.search(r"zero_pp_rank_(\d+)", name).group(1))  # type: ignore[union-attr]
 
 
-def _expect(path: Path, data: dict[str, Any], keys: tuple[str, ...]) -> None:
+def expect_keys(path: Path, data: dict[str, Any], keys: tuple[str, ...]) -> None:
     missing = [k for k in keys if k not in data]
     if missing:
         raise CheckpointError(f"{path}: has no {', '.join(map(repr, missing))}; it is not a DeepSpeed "

@@ -58,8 +58,9 @@ def open_checkpoint(load_dir: str | Path, tag: str | None = None, verify: bool =
         found = deepspeed_tag_dir(Path(load_dir), tag)
         if found is not None:
             from .deepspeed_reader import DeepSpeedReader
+            from .deepspeed_universal import UniversalReader, is_universal
 
-            return DeepSpeedReader(found)
+            return UniversalReader(found) if is_universal(found) else DeepSpeedReader(found)
     return CheckpointReader(load_dir, tag, verify)
 
 

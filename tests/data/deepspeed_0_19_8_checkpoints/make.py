@@ -4,7 +4,8 @@ DeepSpeed (tests/unit/test_checkpoint_deepspeed_files.py, tests/distributed/test
 TinyNet (tests/parity.py) at world size 2, ZeRO 2 and ZeRO 3, fp32, AdamW + WarmupLR, 3 steps, then
 `save_checkpoint(<stage dir>, client_state={"case": ...})`; then 3 more steps, whose losses go to
 reference.json with DeepSpeed's own consolidation of the saved checkpoint (its
-get_fp32_state_dict_from_zero_checkpoint) as `<stage dir>/fp32.safetensors`. Run in .dsvenv, from the root:
+get_fp32_state_dict_from_zero_checkpoint) as `<stage dir>/fp32.safetensors`; and zero2_universal/, the ZeRO-2 one
+converted by DeepSpeed's ds_to_universal.py. Run in .dsvenv, from the root:
 
     DS_ACCELERATOR=cpu PYTHONPATH=src:. .dsvenv/bin/python tests/data/deepspeed_0_19_8_checkpoints/make.py
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.deepspeed_checkpoints import SAVED_AT, save_and_continue
@@ -34,6 +37,11 @@ def main() -> None:
         (HERE / case / "zero_to_torch.py").unlink(missing_ok=True)
         weights = get_fp32_state_dict_from_zero_checkpoint(str(HERE / case))
         save_file({k: v.contiguous() for k, v in weights.items()}, str(HERE / case / "fp32.safetensors"))
+    # DeepSpeed's universal form of the ZeRO-2 one, as its ds_to_universal.py writes it
+    shutil.rmtree(HERE / "zero2_universal", ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+                    "--input_folder", str(HERE / "zero2" / f"global_step{SAVED_AT}"),
+                    "--output_folder", str(HERE / "zero2_universal" / f"global_step{SAVED_AT}_universal")], check=True)
     (HERE / "reference.json").write_text(json.dumps({"deepspeed": "0.19.8", "world_size": 2, "saved_at": SAVED_AT,
                                                      "losses_after": after}, indent=1) + "\n")
 
