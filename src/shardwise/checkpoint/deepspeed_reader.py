@@ -41,14 +41,14 @@ _ENGINE_KEYS = {
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "universal_checkpoint_info",
 }
-_MP_RANK = re.compile(r"mp_rank_(\d+)")
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # a PipelineModule's layer (tensor parallelism: refused)
 
 
 class _Flat:
     """Equal-or-not chunks (memory-mapped tensors) read as one flat vector."""
 
     def __init__(self, chunks: list[torch.Tensor]) -> None:
-        self.chunks = [c.reshape(-1) for c in chunks]
+        self.chunks = [c.detach().reshape(-1) for c in chunks]  # DeepSpeed saves some as nn.Parameter
         self.starts = [0]
         for c in self.chunks:
             self.starts.append(self.starts[-1] + c.numel())
@@ -73,25 +73,33 @@ class DeepSpeedReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         names = sorted(p.name for p in path.iterdir() if p.is_file())
-        _refuse_unsupported(path, names)
-        shared = [n for n in names if re.fullmatch(r"mp_rank_00_model_states\.pt", n)]
+        shared = sorted(n for n in names if re.fullmatch(r"mp_rank_\d+_model_states\.pt", n))
         per_rank = sorted((n for n in names if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt", n)),
                           key=_rank_of)
         if not shared and not per_rank:
             raise CheckpointError(f"{path}: no mp_rank_00_model_states.pt (or zero_pp_rank_*_mp_rank_00_"
                                   "model_states.pt at ZeRO-3); the DeepSpeed checkpoint is incomplete.")
-        self.common = load_deepspeed_file(path / (shared[0] if shared else per_rank[0]))
-        expect_keys(path / (shared[0] if shared else per_rank[0]), self.common, ("module", "global_steps"))
+        first = path / (shared[0] if shared else per_rank[0])
+        self.common = load_deepspeed_file(first)
+        expect_keys(first, self.common, ("module", "global_steps"))
+        self.pipe = _pipeline_degree(path, names, self.common, len(shared))
         self.world = int(self.common.get("dp_world_size", 1))
         config = self.common.get("ds_config") or {}
-        optim_names = sorted((n for n in names if re.fullmatch(r"(bf16_)?zero_pp_rank_\d+_mp_rank_00_optim_states\.pt", n)),
-                             key=_rank_of)
-        self.stage = _stage(path, config, optim_names, bool(per_rank))
+        optim = {s: sorted((n for n in names if re.fullmatch(rf"(bf16_)?zero_pp_rank_\d+_mp_rank_{s:02d}_optim_states\.pt", n)),
+                           key=_rank_of) for s in range(self.pipe)}
+        self.stage = _stage(path, config, optim[0], bool(per_rank))
         if self.stage > 0:
-            _check_ranks(path, optim_names, self.world, "optim_states")
+            for names_of_stage in optim.values():
+                _check_ranks(path, names_of_stage, self.world, "optim_states")
         if self.stage == 3:
             _check_ranks(path, per_rank, self.world, "model_states")
-        self._optim = [load_deepspeed_file(path / n) for n in optim_names] if self.stage > 0 else []
+        # per pipeline stage (one without a pipeline): its model states and each data-parallel rank's optimizer part
+        self._stages = [(self.common if s == 0 else load_deepspeed_file(path / f"mp_rank_{s:02d}_model_states.pt"),
+                         [load_deepspeed_file(path / n) for n in optim[s]] if self.stage > 0 else [])
+                        for s in range(self.pipe)]
+        self._optim = self._stages[0][1]
+        if self.pipe > 1 or any(_LAYER_FILE.fullmatch(n) for n in names):
+            self.common["module"] = _layers(path, names)  # a pipeline's weights are in its layer files
         self._models = [self.common] + [load_deepspeed_file(path / n) for n in per_rank[1:]] if self.stage == 3 else [self.common]
         self._cached_whole: tuple[tuple[str, str], torch.Tensor] | None = None
         self._index()
@@ -101,7 +109,7 @@ class DeepSpeedReader:
     def _index(self) -> None:
         common = self.common
         module: dict[str, torch.Tensor] = common["module"]
-        buffers = list(common.get("buffer_names") or [])
+        buffers = [n for states, _ in self._stages for n in states.get("buffer_names") or []]
         self.buffers = {n: module[n] for n in buffers if n in module}
         frozen = dict(common.get("frozen_param_shapes") or {})
         groups = common.get("param_shapes")
@@ -116,7 +124,7 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.path}: the model states have no param_shapes; this DeepSpeed checkpoint "
                                   "cannot be read by name.")
         if self.stage in (1, 2):
-            self._index_stage12(groups)
+            self._index_stage12([(states["param_shapes"], opt) for states, opt in self._stages])
         else:
             self._index_stage3(groups)
         if self.stage < 3:  # stage 1 records no frozen_param_shapes: the frozen are the module's other entries
@@ -126,23 +134,30 @@ class DeepSpeedReader:
         for name, shape in frozen.items():
             self.shapes[name], self.trainable[name] = tuple(shape), False
 
-    def _index_stage12(self, groups: list[dict[str, Any]]) -> None:
-        opt = [o["optimizer_state_dict"] for o in self._optim]
-        self._masters = [_Flat([o["single_partition_of_fp32_groups"][g] for o in opt]) for g in range(len(groups))]
-        base = [o["base_optimizer_state"]["state"] for o in opt]
-        self._states = _tensor_keys(base[0].get(0, {}))
-        self._state_flats = {key: [_Flat([b[g][key] for b in base]) for g in range(len(groups))] for key in self._states}
-        self._scalar_state = base[0]
-        for g, shapes in enumerate(groups):
-            paddings = (opt[0].get("param_alignment_paddings") or [None] * len(groups))[g] or [0] * len(shapes)
-            offset = 0
-            for (name, shape), pad in zip(shapes.items(), paddings):
-                self.shapes[name], self.trainable[name] = tuple(shape), True
-                self._where[name] = (g, offset)
-                offset += math.prod(shape) + pad
-            if offset > self._masters[g].numel:
-                raise CheckpointError(f"{self.path}: optimizer group {g} holds {self._masters[g].numel} elements "
-                                      f"over {self.world} ranks, its parameters need {offset}; the files do not match.")
+    def _index_stage12(self, stages: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> None:
+        """Each pipeline stage's (or the one model's) optimizer groups: (param_shapes, each rank's optimizer file)."""
+        self._masters, self._state_flats, self._groups = [], {}, []
+        for groups, files in stages:
+            opt = [o["optimizer_state_dict"] for o in files]
+            base = [o["base_optimizer_state"]["state"] for o in opt]
+            if not self._groups:
+                self._states, self._scalar_state = _tensor_keys(base[0].get(0, {})), base[0]
+            paddings = opt[0].get("param_alignment_paddings") or [None] * len(groups)
+            for g, shapes in enumerate(groups):
+                flat = len(self._masters)
+                self._masters.append(_Flat([o["single_partition_of_fp32_groups"][g] for o in opt]))
+                for key in self._states:
+                    self._state_flats.setdefault(key, []).append(_Flat([b[g][key] for b in base]))
+                self._groups.append(list(shapes))
+                offset = 0
+                for (name, shape), pad in zip(shapes.items(), paddings[g] or [0] * len(shapes)):
+                    self.shapes[name], self.trainable[name] = tuple(shape), True
+                    self._where[name] = (flat, offset)
+                    offset += math.prod(shape) + pad
+                if offset > self._masters[flat].numel:
+                    raise CheckpointError(f"{self.path}: optimizer group {g} holds {self._masters[flat].numel} elements"
+                                          f" over {self.world} ranks, its parameters need {offset}; the files do not "
+                                          "match.")
 
     def _index_stage3(self, groups: list[dict[str, Any]]) -> None:
         opt = [o["optimizer_state_dict"] for o in self._optim]
@@ -151,6 +166,7 @@ class DeepSpeedReader:
         self._states = _tensor_keys(states[0].get(0, {}))
         self._state_flats = {key: [_Flat([s[i][key] for i in sorted(s)]) for s in states] for key in self._states}
         self._scalar_state = states[0]
+        self._groups = [list(shapes) for shapes in groups]
         offset = 0
         for shapes in groups:
             for name, shape in shapes.items():
@@ -205,9 +221,9 @@ class DeepSpeedReader:
     def _whole_value(self, name: str) -> torch.Tensor:
         """A frozen parameter (or, at stage 0, any parameter) as saved, whole."""
         if self.stage == 3:
-            parts = [m["frozen_param_fragments"][name].reshape(-1) for m in self._models]
+            parts = [m["frozen_param_fragments"][name].detach().reshape(-1) for m in self._models]
             return torch.cat(parts)[: math.prod(self.shapes[name])].view(self.shapes[name])
-        return self.common["module"][name]
+        return self.common["module"][name].detach()
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype a frozen parameter was saved in (the training dtype)."""
@@ -248,7 +264,7 @@ class DeepSpeedReader:
             "origin": self.origin,
             "deepspeed_version": str(common.get("ds_version", "unknown")),
             "world_size": self.world,
-            "topology": {"data": self.world},
+            "topology": {"data": self.world, "pipe": self.pipe},
             "stage": self.stage,
             "config": {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro,
                        "gradient_accumulation_steps": accum,
@@ -298,7 +314,7 @@ class DeepSpeedReader:
                                   f"({sorted(steps)}); shardwise keeps one step count for all of them.")
         return {"type": None, "deepspeed_type": kind, "param_groups": hyper,
                 "scalars": {"step": float(steps.pop())} if steps else {},
-                "groups": [list(shapes) for shapes in self.common["param_shapes"]]}
+                "groups": self._groups}
 
 
 def _tensor_keys(state: dict[str, Any]) -> list[str]:
@@ -335,13 +351,26 @@ def _check_ranks(path: Path, names: list[str], world: int, what: str) -> None:
                               "checkpoint is incomplete.")
 
 
-def _refuse_unsupported(path: Path, names: list[str]) -> None:
-    if any(re.fullmatch(r"layer_\d+-(model_\d+-)?model_states\.pt", n) for n in names):
-        raise CheckpointError(f"{path}: a DeepSpeed pipeline (PipelineModule) checkpoint; shardwise does not read "
-                              "DeepSpeed's pipeline layout yet. Load each layer_XX-model_states.pt into its layer "
-                              "before shardwise.initialize, or resume with DeepSpeed.")
-    mp = {int(m.group(1)) for n in names if (m := _MP_RANK.search(n))}
-    if mp - {0}:
-        raise CheckpointError(f"{path}: a DeepSpeed checkpoint with model (tensor) parallelism "
-                              f"({len(mp)} mp_rank files); shardwise does not read that layout yet. Resume with DeepSpeed, or "
-                              "consolidate the weights with its zero_to_fp32.py and load those.")
+def _pipeline_degree(path: Path, names: list[str], common: dict[str, Any], files: int) -> int:
+    """How many pipeline stages saved (one mp_rank_XX model-states file each); tensor parallelism is refused."""
+    dims = common.get("checkpoint_parallel_dimensions") or {}
+    pipe, tensor = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
+    if tensor > 1 or (files > 1 and files != pipe):
+        raise CheckpointError(f"{path}: a DeepSpeed checkpoint with model (tensor) parallelism ({files} mp_rank "
+                              "files); shardwise does not read that layout yet. Convert it with DeepSpeed's "
+                              "ds_to_universal.py and load the universal folder, or resume with DeepSpeed.")
+    if pipe > 1 and files < pipe:
+        raise CheckpointError(f"{path}: saved by {pipe} pipeline stages, but holds {files} mp_rank_XX_model_states.pt "
+                              "files; the checkpoint is incomplete.")
+    return pipe
+
+
+def _layers(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """A pipeline's weights and buffers, by the PipelineModule's names (`<layer index>.<name in the layer>`)."""
+    module: dict[str, torch.Tensor] = {}
+    for name in names:
+        found = _LAYER_FILE.fullmatch(name)
+        if found:
+            layer = load_deepspeed_file(path / name)
+            module.update({f"{int(found.group(1))}.{key}": value for key, value in layer.items()})
+    return module

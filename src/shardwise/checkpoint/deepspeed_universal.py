@@ -41,7 +41,8 @@ class UniversalReader(DeepSpeedReader):
         self._loaded: tuple[Path, torch.Tensor] | None = None
         module = self.common["module"]
         self.buffers = {n: module[n] for n in self.common.get("buffer_names") or [] if n in module}
-        self.shapes, self.trainable = {}, {}
+        self.shapes, self.trainable, self.pipe = {}, {}, 1  # whole parameters, whatever layout saved them
+        self._groups = [list(shapes) for shapes in self.common["param_shapes"]]
         for shapes in self.common["param_shapes"]:
             for name, shape in shapes.items():
                 self.shapes[name], self.trainable[name] = tuple(shape), True
@@ -70,7 +71,7 @@ class UniversalReader(DeepSpeedReader):
             data = load_deepspeed_file(file)
             if not isinstance(data.get("param"), torch.Tensor):
                 raise CheckpointError(f"{file}: holds no 'param' tensor; it is not a universal-checkpoint file.")
-            self._loaded = (file, data["param"])
+            self._loaded = (file, data["param"].detach())
         return self._loaded[1]
 
     def _step(self, name: str) -> int:
