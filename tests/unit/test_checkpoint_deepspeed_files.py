@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.deepspeed_export import export_deepspeed
-from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file
+from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file, load_deepspeed_object
 from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
 from shardwise.checkpoint.deepspeed_universal import UniversalReader
 from shardwise.checkpoint.cli import main as checkpoint_cli
@@ -72,19 +72,24 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("case", STAGES)
+@pytest.mark.parametrize("case", [*STAGES, "zero2_universal"])
 def test_a_file_that_would_run_code_is_refused_in_every_slot(tmp_path, case):
-    names = sorted(p.name for p in (FIXTURES / case / "global_step3").iterdir())
-    for i, slot in enumerate(names):
+    slots = sorted(p.relative_to(FIXTURES / case) for p in (FIXTURES / case).rglob("*.pt"))
+    assert len(slots) >= 3
+    for i, slot in enumerate(slots):
         root = _copy(tmp_path / str(i), case)
         marker = tmp_path / f"ran-{i}"
-        original = load_deepspeed_file(root / "global_step3" / slot)  # memory-mapped: replaced, not rewritten
-        torch.save({"payload": _RunsCode(marker), **original}, tmp_path / "crafted.pt")  # the payload is met first
-        os.replace(tmp_path / "crafted.pt", root / "global_step3" / slot)
+        original = load_deepspeed_object(root / slot)  # memory-mapped: replaced, not rewritten
+        entries = original if isinstance(original, dict) else {"step": original}  # a universal step.pt is an int
+        torch.save({"payload": _RunsCode(marker), **entries}, tmp_path / "crafted.pt")  # the payload is met first
+        os.replace(tmp_path / "crafted.pt", root / slot)
         with pytest.raises(CheckpointError) as info:
-            DeepSpeedReader(root / "global_step3")
+            reader = open_checkpoint(root)
+            for name in reader.meta["params"]:  # a universal folder opens a parameter's files when it is read
+                for kind in reader.kinds(name):
+                    reader.read_full(name, kind)
         message = str(info.value)
-        assert message.startswith(f"{root / 'global_step3' / slot}: refused: the file names ")
+        assert message.startswith(f"{root / slot}: refused: the file names "), message
         assert "system'" in message and "nothing in it was run" in message
         assert not marker.exists()
 

@@ -74,6 +74,15 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 def load_deepspeed_file(path: Path) -> dict[str, Any]:
     """The dict a DeepSpeed checkpoint file holds, tensors memory-mapped where the file allows it."""
+    data = load_deepspeed_object(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: holds a {type(data).__name__}, not the dict DeepSpeed saves; it is not a "
+                              "DeepSpeed checkpoint file.")
+    return data
+
+
+def load_deepspeed_object(path: Path) -> Any:
+    """Whatever a DeepSpeed checkpoint file holds (a universal checkpoint's step.pt is a bare int), read safely."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; the DeepSpeed checkpoint is incomplete.")
     mmap = zipfile.is_zipfile(path)  # torch.save's format since torch 1.6; older files are read whole
@@ -91,9 +100,6 @@ def load_deepspeed_file(path: Path) -> dict[str, Any]:
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e}); it is truncated "
                               "or corrupt, or not a DeepSpeed checkpoint file.") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: holds a {type(data).__name__}, not the dict DeepSpeed saves; it is not a "
-                              "DeepSpeed checkpoint file.")
     return data
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
+from .deepspeed_pickle import DeepSpeedObject, load_deepspeed_file, load_deepspeed_object
 from .deepspeed_reader import DeepSpeedReader, expect_keys
 from .errors import CheckpointError
 
@@ -76,8 +76,8 @@ class UniversalReader(DeepSpeedReader):
 
     def _step(self, name: str) -> int:
         file = self.path / "zero" / name / "step.pt"
-        step = torch.load(file, map_location="cpu", weights_only=True)  # an int; weights-only refuses all else
-        if not isinstance(step, (int, float, torch.Tensor)):
+        step = load_deepspeed_object(file)
+        if not isinstance(step, (int, float, torch.Tensor)) or isinstance(step, bool):
             raise CheckpointError(f"{file}: holds a {type(step).__name__}, not a step count.")
         return int(step)
 
