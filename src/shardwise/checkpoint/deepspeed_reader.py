@@ -102,6 +102,7 @@ class DeepSpeedReader:
             self.common["module"] = _layers(path, names)  # a pipeline's weights are in its layer files
         self._models = [self.common] + [load_deepspeed_file(path / n) for n in per_rank[1:]] if self.stage == 3 else [self.common]
         self._cached_whole: tuple[tuple[str, str], torch.Tensor] | None = None
+        self.bound = False  # stage 0: whether bind_stage0 has placed the optimizer state (deepspeed_stage0.py)
         self._index()
         self.meta = self._meta(config)
 
@@ -195,7 +196,7 @@ class DeepSpeedReader:
     def kinds(self, name: str) -> set[str]:
         if not self.trainable[name]:
             return {"value"}
-        return {"master"} | ({f"state.{k}" for k in self._states} if self.stage > 0 else set())
+        return {"master"} | ({f"state.{k}" for k in self._states} if self.stage > 0 or self.bound else set())
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
@@ -205,11 +206,11 @@ class DeepSpeedReader:
             raise CheckpointError(f"{self.path}: loading a DeepSpeed checkpoint into a tensor-parallel model is not "
                                   "supported yet; load it at tensor-parallel size 1, or consolidate it first "
                                   "(shardwise checkpoint to-fp32).")
-        if kind == "value" or self.stage == 0:
+        if kind == "value" or (self.stage == 0 and not self.bound):
             out.copy_(self._whole_value(name).reshape(-1)[start:end])
             return
         flats = self._masters if kind == "master" else self._state_flats[kind.removeprefix("state.")]
-        if self.stage in (1, 2):
+        if self.stage < 3:
             group, offset = self._where[name]
             flats[group].read(offset + start, offset + end, out)
             return

@@ -30,11 +30,12 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
                     load_optimizer_states: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
     reader = open_checkpoint(load_dir, tag)
     meta = reader.meta
+    model = _model_names(engine.module)
     if meta.get("origin") == "deepspeed":
-        _check_deepspeed(reader, engine, load_optimizer_states)
+        _check_deepspeed(reader, engine, load_optimizer_states, model)
     with engine.strategy.resident(), torch.no_grad():
         slots = engine.strategy.state_slots()
-        _check_names(reader, _model_names(engine.module), load_module_strict)
+        _check_names(reader, model, load_module_strict)
         shards = engine.tensor_shards
         _check_shapes(reader, slots, engine.module, shards)
         for slot in slots:
@@ -58,15 +59,20 @@ def load_checkpoint(engine: TrainingEngine, load_dir: str, tag: str | None, load
     return str(reader.path), meta["client_state"]
 
 
-def _check_deepspeed(reader: AnyReader, engine: TrainingEngine, load_optimizer_states: bool) -> None:
-    """Refuse, before anything is loaded, what a DeepSpeed checkpoint cannot give this engine."""
+def _check_deepspeed(reader: AnyReader, engine: TrainingEngine, load_optimizer_states: bool,
+                     model: dict[str, bool]) -> None:
+    """Place a stage-0 checkpoint's optimizer state by this engine's groups; refuse, before anything is loaded,
+    what a DeepSpeed checkpoint cannot give this engine."""
     meta = reader.meta
-    if load_optimizer_states and meta["stage"] == 0:
-        raise CheckpointError(
-            f"{reader.path}: a DeepSpeed checkpoint saved without ZeRO (stage 0), whose optimizer state is recorded "
-            "by position in DeepSpeed's optimizer, not by parameter name, so it cannot be matched to this model's "
-            "parameters. Pass load_optimizer_states=False to load the weights (and keep training with a fresh "
-            "optimizer), or resume with DeepSpeed.")
+    if load_optimizer_states and meta["stage"] == 0 and not getattr(reader, "bound", True):
+        from .deepspeed_stage0 import bind_stage0
+
+        groups = getattr(engine, "param_group_names", None)
+        if groups is None:
+            raise CheckpointError(f"{reader.path}: a stage-0 DeepSpeed checkpoint records its optimizer state by "
+                                  "position in the optimizer's groups, which this engine does not record; pass "
+                                  "load_optimizer_states=False to load the weights only.")
+        bind_stage0(reader, groups, model)
     if load_optimizer_states and engine.optimizer is not None:
         kinds = {k.removeprefix("state.") for n in meta["params"] if reader.has(n) for k in reader.kinds(n)
                  if k.startswith("state.")}
