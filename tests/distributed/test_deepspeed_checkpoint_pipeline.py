@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from shardwise.checkpoint import CheckpointError
 from shardwise.checkpoint.deepspeed_export import export_deepspeed
-from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_file, load_deepspeed_object
+from shardwise.checkpoint.deepspeed_pickle import load_deepspeed_object
 from shardwise.checkpoint.deepspeed_reader import DeepSpeedReader
 from shardwise.checkpoint.deepspeed_universal import UniversalReader
 from shardwise.checkpoint.cli import main as checkpoint_cli

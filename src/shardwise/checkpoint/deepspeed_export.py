@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -58,48 +57,12 @@ def export_deepspeed(source: str | Path, out_dir: str | Path, world: int, stage:
     problem = load_tag_problem(tag)
     if problem:
         raise CheckpointError(f"export: tag {problem}; got {tag!r}.")
-    root = Path(out_dir)
-    final, partial = root / tag, root / f".{tag}.partial"
-    if final.exists() and not (replace and _is_deepspeed_tag(final)):
-        what = "exists" if not replace else "exists and is not a DeepSpeed checkpoint folder, so it is not replaced"
-        raise CheckpointError(f"export: {final} {what}; export to another folder or tag, or remove it first.")
-    try:
-        partial.mkdir(parents=True, exist_ok=False)
-    except FileExistsError:
-        shutil.rmtree(partial)
-        partial.mkdir()
-    except OSError as e:
-        raise CheckpointError(files.write_error(partial, e)) from e
-    try:
-        plan.write(partial)
-        files.fsync_dir(partial)
-        _publish(partial, final)
-        files.fsync_dir(root)
-        if latest:
-            files.write_durably(root / "latest", tag.encode())
-    except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(files.write_error(Path(e.filename or partial), e)) from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return final
+    return files.write_tag_folder(Path(out_dir), tag, plan.write, "export", latest,
+                                  _is_deepspeed_tag if replace else None)
 
 
 def _is_deepspeed_tag(folder: Path) -> bool:
     return folder.is_dir() and not folder.is_symlink() and not (folder / MANIFEST).exists() and bool(deepspeed_files(folder))
-
-
-def _publish(partial: Path, final: Path) -> None:
-    """Rename `partial` to `final`; a DeepSpeed tag already there goes only once the new one is in place."""
-    if not final.exists():
-        partial.rename(final)
-        return
-    old = final.with_name(f".{final.name}.replaced")
-    shutil.rmtree(old, ignore_errors=True)
-    final.rename(old)
-    partial.rename(final)
-    shutil.rmtree(old)
 
 
 class _Plan:

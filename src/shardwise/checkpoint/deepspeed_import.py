@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +40,10 @@ def import_deepspeed(source: str | Path, out_dir: str | Path, source_tag: str | 
     except TypeError as e:
         raise CheckpointError(f"import: {reader.path}: the client state is not JSON ({e}); shardwise's format keeps "
                               "client_state as JSON. Load the DeepSpeed folder directly instead.") from None
-    root = Path(out_dir)
-    final, partial = root / tag, layout.partial_dir(root, tag)
-    if final.exists():
-        raise CheckpointError(f"import: {final} exists; import to another folder or tag, or remove it first.")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
+
+    def write(folder: Path) -> None:
         params, specs = _index(reader)
-        file = partial / layout.rank_file(0)
+        file = folder / layout.rank_file(0)
         writer = SafetensorsWriter(file, specs)
         try:
             for key, dtype, _ in specs:
@@ -68,17 +62,9 @@ def import_deepspeed(source: str | Path, out_dir: str | Path, source_tag: str | 
             "params": params, "buffers": list(meta["buffers"]), "persistent_buffers": list(meta["persistent_buffers"]),
             "buffer_files": {name: file.name for name in meta["buffers"]},
         }
-        files.write_durably(partial / layout.MANIFEST, json.dumps(manifest, indent=1).encode())
-        partial.rename(final)
-        files.fsync_dir(root)
-        files.write_durably(root / layout.LATEST, tag.encode())
-    except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(files.write_error(Path(e.filename or partial), e)) from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return final
+        files.write_durably(folder / layout.MANIFEST, json.dumps(manifest, indent=1).encode())
+
+    return files.write_tag_folder(Path(out_dir), tag, write, "import")
 
 
 def _index(reader: Any) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...]]]]:

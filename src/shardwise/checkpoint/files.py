@@ -8,7 +8,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,6 +43,40 @@ def write_durably(path: Path, data: bytes) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(write_error(path, e, len(data))) from e
+
+
+def write_tag_folder(root: Path, tag: str, write: Callable[[Path], None], what: str, latest: bool = True,
+                     replaceable: Callable[[Path], bool] | None = None) -> Path:
+    """Write `root/<tag>/` whole or not at all: `write` fills `.<tag>.partial/`, which is fsynced and renamed into
+    place, then `root/latest` names it (unless not `latest`). An existing `root/<tag>` is an error unless
+    `replaceable(it)`, and then goes only once the new one is in place. Any failure removes the partial folder;
+    an OSError becomes a CheckpointError naming the file. `what` names the operation in messages."""
+    final, partial = root / tag, root / f".{tag}.partial"
+    if final.exists() and not (replaceable is not None and replaceable(final)):
+        raise CheckpointError(f"{what}: {final} exists; {what} to another folder or tag, or remove it first.")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        write(partial)
+        fsync_dir(partial)
+        if final.exists():
+            old = final.with_name(f".{final.name}.replaced")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old)
+        else:
+            partial.rename(final)
+        fsync_dir(root)
+        if latest:
+            write_durably(root / "latest", tag.encode())
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(write_error(Path(e.filename or partial), e)) from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
 
 
 def remove_quietly(path: Path) -> None:
