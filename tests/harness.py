@@ -3,7 +3,8 @@
 Forks N processes (fast: no re-import of torch), each with the env a launcher would set (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT) and one intra-op thread. A rank that raises
 sends its traceback back; the parent raises one error with every failing rank's traceback. A hard
-timeout kills every rank and names those that had not finished.
+timeout kills every rank and names those that had not finished. A run whose ranks could not connect over
+their port (taken by another test between choosing and binding it) is run once more on a fresh one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import time
 import traceback
 from typing import Any, Callable
@@ -64,6 +66,27 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     # file of three runs took 6 s with it).
     import torch._dynamo  # noqa: F401
 
+    try:
+        return _run_once(fn, world_size, args, kwargs, timeout, start_method)
+    except RankFailure as e:
+        if not _lost_rendezvous(str(e)):
+            raise
+    # Another test on this machine took the port between free_port() and rank 0's bind (two pytest workers start
+    # process groups side by side), so the ranks met a stranger's store: once more, on a fresh port.
+    return _run_once(fn, world_size, args, kwargs, timeout, start_method)
+
+
+# What a rank says when the process group could not be set up over the port it was given (never a test's failure).
+_SETUP = re.compile(r"_new_process_group_helper|init_process_group|TCPStore|connectFullMesh")
+_NETWORK = re.compile(r"DistNetworkError|Connection reset by peer|Connection refused|Address already in use")
+
+
+def _lost_rendezvous(failure: str) -> bool:
+    return bool(_SETUP.search(failure) and _NETWORK.search(failure))
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float,
+              start_method: str) -> list[Any]:
     ctx = mp.get_context(start_method)
     results: mp.Queue = ctx.Queue()
     port = free_port()
