@@ -18,6 +18,7 @@ hand:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,66 @@ def test_stage0_fp16_optimizer_state_is_refused(runs, tmp_path_factory):
     result = run_distributed(_load_stage0_fp16, 1, str(Path(root) / "zero0-fp16"), timeout=300)[0]
     assert "saved at ZeRO stage 0 with fp16" in result["refused"] and "load_optimizer_states=False" in result["refused"]
     assert result["case"] == "zero0-fp16"
+
+
+TP_SAVED_AT, TP_MORE = 2, 2
+
+
+def _llama(name: str, root: str, tp: int) -> list[float]:
+    """A tiny LLaMA (tests/tensor_parallel_models.py: SGD with momentum, clipped at every step). DeepSpeed at
+    data-parallel size 2 and ZeRO-2 saves at step TP_SAVED_AT and goes on; shardwise at tensor-parallel size
+    `tp` over the same world resumes from that save. The losses of the TP_MORE steps after it."""
+    from tests import tensor_parallel_models as tpm
+
+    world = int(os.environ["WORLD_SIZE"])
+    if name == "deepspeed":
+        import deepspeed as library
+
+        library.init_distributed(dist_backend="gloo")
+        config = {**{k: v for k, v in tpm.config(1, world, stage=2).items() if k != "tensor_parallel"},
+                  "zero_allow_untested_optimizer": True}  # DeepSpeed asks for it with torch's SGD at ZeRO
+    else:
+        import shardwise as library
+
+        config = tpm.config(tp, world // tp, stage=2)
+    model = tpm.build("llama")
+    if name == "shardwise":
+        with torch.no_grad():  # other weights than the saved run started from: only the checkpoint can agree
+            for p in model.parameters():
+                p.add_(0.01)
+    engine, *_ = library.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+    if name == "deepspeed":
+        _train_dp(engine, TP_SAVED_AT, 0)
+        engine.save_checkpoint(root)
+        return _train_dp(engine, TP_MORE, TP_SAVED_AT)
+    engine.load_checkpoint(root)
+    return tpm.train(engine, TP_MORE, TP_SAVED_AT)["losses"]
+
+
+def _train_dp(engine: Any, steps: int, start: int) -> list[float]:
+    """tests/tensor_parallel_models.train for DeepSpeed's engine (data parallelism only)."""
+    import torch.distributed as dist
+
+    from tests import tensor_parallel_models as tpm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = tpm.GLOBAL // world
+    losses = []
+    for step in range(start, start + steps):
+        ids = tpm.batch(step)[rank * micro : (rank + 1) * micro]
+        loss = tpm.loss_of(engine, ids)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def test_a_deepspeed_checkpoint_resumes_under_tensor_parallelism(tmp_path):
+    """DeepSpeed (no tensor parallelism, ZeRO-2, 2 ranks) -> shardwise at tensor-parallel size 2: each rank
+    cuts its part of every split parameter (and its moments) from the whole one, one parameter at a time."""
+    theirs = run_distributed(_llama, 2, "deepspeed", str(tmp_path), 1, timeout=600)[0]
+    ours = run_distributed(_llama, 2, "shardwise", str(tmp_path), 2, timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0,
+                               msg=lambda m: f"shardwise at tensor-parallel size 2 {ours} vs DeepSpeed {theirs}: {m}")

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..tensor_parallel.shard import take
 from .deepspeed_pickle import DeepSpeedObject, load_deepspeed_file
 from .errors import CheckpointError
 
@@ -202,10 +203,16 @@ class DeepSpeedReader:
         return self.shapes[name]
 
     def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor, shard: Any = None) -> None:
+        """Elements [start, end) of `name`'s `kind`; with `shard`, of this rank's tensor-parallel piece of it, cut
+        from the whole parameter (kept while its ranges are read: one parameter at a time)."""
         if shard is not None:
-            raise CheckpointError(f"{self.path}: loading a DeepSpeed checkpoint into a tensor-parallel model is not "
-                                  "supported yet; load it at tensor-parallel size 1, or consolidate it first "
-                                  "(shardwise checkpoint to-fp32).")
+            if self._cached_whole is None or self._cached_whole[0] != (name, kind):
+                self._cached_whole = ((name, kind), self.read_full(name, kind))
+            out.copy_(take(self._cached_whole[1], shard).reshape(-1)[start:end])
+            return
+        self._read_range(name, kind, start, end, out)
+
+    def _read_range(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
         if kind == "value" or (self.stage == 0 and not self.bound):
             out.copy_(self._whole_value(name).reshape(-1)[start:end])
             return
@@ -234,7 +241,7 @@ class DeepSpeedReader:
 
     def read_full(self, name: str, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(math.prod(self.shapes[name]), dtype=dtype)
-        self.read_into(name, kind, 0, out.numel(), out)
+        self._read_range(name, kind, 0, out.numel(), out)
         return out.view(self.shapes[name])
 
     def buffer(self, name: str) -> torch.Tensor:

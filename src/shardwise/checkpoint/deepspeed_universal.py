@@ -81,10 +81,7 @@ class UniversalReader(DeepSpeedReader):
             raise CheckpointError(f"{file}: holds a {type(step).__name__}, not a step count.")
         return int(step)
 
-    def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor, shard: Any = None) -> None:
-        if shard is not None:
-            raise CheckpointError(f"{self.path}: loading a DeepSpeed checkpoint into a tensor-parallel model is not "
-                                  "supported yet; load it at tensor-parallel size 1.")
+    def _read_range(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
         file = "fp32.pt" if kind in ("master", "value") else f"{kind.removeprefix('state.')}.pt"
         tensor = self._tensor(self.path / "zero" / name / file)
         if tuple(tensor.shape) != self.shapes[name]:
