@@ -116,6 +116,10 @@ def run_command(cmd: list[str], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S) ->
 
 
 def run_shardwise(args: list[str], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    if not any(a.startswith("--master_port") for a in args):
+        # Two tests launching at once (pytest's two workers) would both find the default port 29500 free and one
+        # would fail to bind it; the default's own choice is tested in test_busy_default_port_is_replaced_and_said.
+        args = [f"--master_port={free_port()}", *args]
     return run_command([sys.executable, "-m", "shardwise.launcher.cli", *args], cwd, timeout)
 
 
@@ -352,3 +356,25 @@ def test_known_subcommand_is_dispatched_not_launched(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(cli.SUBCOMMANDS, "report", fake)
     assert cli.main(["report", "--json"]) == 7
     assert seen == [["--json"]]
+
+
+REBIND = """
+import sys
+from shardwise.launcher import local
+plan = local.LocalLaunch(nproc=2, script=sys.argv[1], master_port=int(sys.argv[2]), port_chosen=True)
+sys.exit(local.launch_local(plan))
+"""
+
+
+def test_a_picked_port_taken_before_the_bind_is_replaced(worker: Path) -> None:
+    """The launcher checks its default port, then the agent binds it: another job may take it in between (two
+    tests at once did). A port the launcher picked is then replaced; one the user asked for never is."""
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        result = run_command([sys.executable, "-c", REBIND, str(worker), str(taken)], worker.parent, LAUNCH_TIMEOUT_S)
+        assert f"master port {taken} was taken between choosing it and starting the job; using free port" in result.stderr
+        assert [r["rank"] for r in reports(result)] == [0, 1]
+        asked = run_shardwise(["--num_gpus", "2", f"--master_port={taken}", str(worker)], worker.parent)
+    assert asked.returncode != 0 and f"--master_port {taken}: the port is in use" in asked.stderr, asked.stderr

@@ -188,6 +188,7 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
         script_args=tuple(args.command[1:]),
         master_addr=args.master_addr or local.DEFAULT_MASTER_ADDR,
         master_port=resolve_master_port(args.master_port, args.log_level),
+        port_chosen=args.master_port is None,
         module=args.module,
         no_python=args.no_python,
         pass_local_rank=not args.no_local_rank,

@@ -59,6 +59,9 @@ class LocalLaunch:
     # Signals the agent answers by stopping the workers itself (torchrun's --signals-to-handle); None: torch's
     # default (SIGTERM, SIGINT, SIGHUP, SIGQUIT). `shardwise serve` keeps SIGTERM and SIGINT to stop its ranks.
     agent_signals: str | None = None
+    # The master port was picked here (the default, or a free one), not asked for: if something else binds it
+    # before the agent does, another is picked (one node only: other nodes could not follow).
+    port_chosen: bool = False
 
 
 def in_bootstrap(plan: LocalLaunch) -> LocalLaunch:
@@ -180,7 +183,7 @@ def sourced_env(script: str) -> dict[str, str]:
 def launch_local(plan: LocalLaunch) -> int:
     """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
     try:
-        run_agent(plan)
+        _run_rebinding(plan)
     except ChildFailedError as error:
         failures = from_child_failed(error, socket.gethostname())
         print(describe_failure(failures, plan.each_rank_log, one_of_nodes=plan.nnodes != "1"), file=sys.stderr,
@@ -190,6 +193,20 @@ def launch_local(plan: LocalLaunch) -> int:
         print(f"shardwise: stopped by {stop.sigval.name}; all ranks were stopped.", file=sys.stderr, flush=True)
         return 128 + int(stop.sigval)
     return 0
+
+
+def _run_rebinding(plan: LocalLaunch) -> None:
+    """run_agent, once more on a fresh port if the one picked for this job was taken before the agent bound it
+    (checking a port and binding it are two steps: two jobs started at once can both find 29500 free)."""
+    try:
+        run_agent(plan)
+    except torch.distributed.DistNetworkError as error:
+        if not (plan.port_chosen and plan.nnodes == "1" and "EADDRINUSE" in str(error)):
+            raise
+        port = free_port()
+        say(f"master port {plan.master_port} was taken between choosing it and starting the job; using free port "
+            f"{port} (pass --master_port to choose one).", "warning")
+        run_agent(replace(plan, master_port=port))
 
 
 def pick_default_master_port(log_level: str = "info") -> int:
