@@ -57,7 +57,7 @@ $(DS_STAMP): $(STAMP)
 	$(PYTHON) -m venv $(DS_VENV)
 	$(call install_torch,$(DS_VENV)/bin/pip)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
-		"pytest<9" pytest-timeout pytest-xdist $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
+		pytest pytest-timeout pytest-xdist $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
 	touch $@
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the

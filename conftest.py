@@ -17,12 +17,6 @@ def _group(item: pytest.Item) -> str:
     return "hosts" if module.rsplit(".", 1)[-1] in HOST_MODULES else module
 
 
-# tryfirst: xdist's own hook (on each worker) turns the marker into the "@group" suffix its loadgroup scheduler
-# reads, and pluggy would otherwise call it before this one, when no test has the marker yet: every test was then
-# its own group, a module's tests ran on both workers and its module-scoped oracles were computed twice. (That
-# suffix is also why pytest is held below 9: pytest 9 derives nodeid from another attribute, and xdist 3.8's
-# suffix is lost; pyproject.toml's test extras.)
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups = {item: _group(item) for item in items}
     for item, group in groups.items():
