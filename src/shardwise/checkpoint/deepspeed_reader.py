@@ -143,7 +143,7 @@ class DeepSpeedReader:
             opt = [o["optimizer_state_dict"] for o in files]
             base = [o["base_optimizer_state"]["state"] for o in opt]
             if not self._groups:
-                self._states, self._scalar_state = _tensor_keys(base[0].get(0, {})), base[0]
+                self._states, self._scalar_state = tensor_keys(base[0].get(0, {})), base[0]
             paddings = opt[0].get("param_alignment_paddings") or [None] * len(groups)
             for g, shapes in enumerate(groups):
                 flat = len(self._masters)
@@ -165,7 +165,7 @@ class DeepSpeedReader:
         opt = [o["optimizer_state_dict"] for o in self._optim]
         self._masters = [_Flat(list(o["fp32_flat_groups"])) for o in opt]  # one per rank
         states = [o["optimizer_state_dict"]["state"] for o in opt]
-        self._states = _tensor_keys(states[0].get(0, {}))
+        self._states = tensor_keys(states[0].get(0, {}))
         self._state_flats = {key: [_Flat([s[i][key] for i in sorted(s)]) for s in states] for key in self._states}
         self._scalar_state = states[0]
         self._groups = [list(shapes) for shapes in groups]
@@ -314,19 +314,29 @@ class DeepSpeedReader:
         kind = (config.get("optimizer") or {}).get("type")
         if self.stage == 0:
             return {"type": None, "deepspeed_type": kind, "param_groups": [], "scalars": {}}
-        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in ("params", "step")}
-                 for g in self._saved_param_groups()]
-        steps = {int(s["step"]) for s in self._scalar_state.values() if "step" in s}
-        if len(steps) > 1:
-            raise CheckpointError(f"{self.path}: the optimizer groups were stepped different numbers of times "
-                                  f"({sorted(steps)}); shardwise keeps one step count for all of them.")
-        return {"type": None, "deepspeed_type": kind, "param_groups": hyper,
-                "scalars": {"step": float(steps.pop())} if steps else {},
-                "groups": self._groups}
+        steps = [int(s["step"]) for s in self._scalar_state.values() if "step" in s]
+        return {"type": None, "deepspeed_type": kind, "param_groups": hyper_parameters(self._saved_param_groups()),
+                "scalars": step_scalars(self.path, steps), "groups": self._groups}
 
 
-def _tensor_keys(state: dict[str, Any]) -> list[str]:
-    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() > 1)
+def hyper_parameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """DeepSpeed's optimizer groups as a manifest records them: no parameters, no per-group step counter."""
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in ("params", "step")}
+            for g in groups]
+
+
+def step_scalars(path: Path, steps: list[int]) -> dict[str, float]:
+    """The manifest's optimizer scalars from the step count of each group (or parameter): shardwise keeps one."""
+    distinct = sorted(set(steps))
+    if len(distinct) > 1:
+        raise CheckpointError(f"{path}: the optimizer state was stepped different numbers of times ({distinct}); "
+                              "shardwise keeps one step count for all of it.")
+    return {"step": float(distinct[0])} if distinct else {}
+
+
+def tensor_keys(state: dict[str, Any]) -> list[str]:
+    """The element-wise entries of one optimizer state (exp_avg, ...): tensors with a dimension, not the step."""
+    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def _rank_of(name: str) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .deepspeed_reader import _Flat, hyper_parameters, step_scalars, tensor_keys
 from .errors import CheckpointError
 
 
@@ -56,18 +57,15 @@ def bind_stage0(reader: Any, groups: list[list[str]], trains: dict[str, bool]) -
     reader.bound = True
     meta = reader.meta["optimizer"]
     meta["groups"] = trainable
-    meta["param_groups"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in ("params", "step")}
-                            for g in reader.saved_stage0_groups]
+    meta["param_groups"] = hyper_parameters(reader.saved_stage0_groups)
 
 
 def _bind_flat(reader: Any, saved: dict[str, Any], groups: list[list[str]]) -> None:
-    from .deepspeed_reader import _Flat
-
     flats, inner = saved["fp32_groups_flat"], saved["optimizer_state_dict"]
     live = [g for g in groups if g]
     if len(flats) != len(live):
         raise _mismatch(reader, f"{len(flats)} optimizer groups saved, {len(live)} with trainable parameters now")
-    reader._states = _keys(inner["state"].get(0, {}))
+    reader._states = tensor_keys(inner["state"].get(0, {}))
     reader._masters = [_Flat([f]) for f in flats]
     reader._state_flats = {k: [_Flat([inner["state"][g][k]]) for g in range(len(flats))] for k in reader._states}
     for g, names in enumerate(live):
@@ -78,19 +76,17 @@ def _bind_flat(reader: Any, saved: dict[str, Any], groups: list[list[str]]) -> N
         if offset != flats[g].numel():
             raise _mismatch(reader, f"group {g} holds {flats[g].numel()} elements, its parameters now {offset}")
     reader.saved_stage0_groups = list(inner["param_groups"])
-    reader._scalar_state = inner["state"]
-    _set_step(reader, [int(inner["state"][g]["step"]) for g in range(len(flats)) if "step" in inner["state"].get(g, {})])
+    steps = [int(inner["state"][g]["step"]) for g in range(len(flats)) if "step" in inner["state"].get(g, {})]
+    reader.meta["optimizer"]["scalars"] = step_scalars(reader.path, steps)
 
 
 def _bind_by_position(reader: Any, saved: dict[str, Any], groups: list[list[str]]) -> None:
-    from .deepspeed_reader import _Flat
-
     sizes = [len(g["params"]) for g in saved["param_groups"]]
     if sizes != [len(g) for g in groups]:
         raise _mismatch(reader, f"parameters per group saved {sizes}, now {[len(g) for g in groups]}")
     names = [n for group in groups for n in group]
     state = saved["state"]
-    reader._states = _keys(next((s for s in state.values() if s), {}))
+    reader._states = tensor_keys(next((s for s in state.values() if s), {}))
     reader._masters, reader._state_flats = [], {k: [] for k in reader._states}
     steps = []
     for g, group in enumerate(saved["param_groups"]):
@@ -107,19 +103,7 @@ def _bind_by_position(reader: Any, saved: dict[str, Any], groups: list[list[str]
             for key in reader._states:
                 reader._state_flats[key].append(_Flat([state[i][key]]))
     reader.saved_stage0_groups = list(saved["param_groups"])
-    reader._scalar_state = {}
-    _set_step(reader, steps)
-
-
-def _set_step(reader: Any, steps: list[int]) -> None:
-    if len(set(steps)) > 1:
-        raise CheckpointError(f"{reader.path}: the optimizer groups were stepped different numbers of times "
-                              f"({sorted(set(steps))}); shardwise keeps one step count for all of them.")
-    reader.meta["optimizer"]["scalars"] = {"step": float(steps[0])} if steps else {}
-
-
-def _keys(state: dict[str, Any]) -> list[str]:
-    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    reader.meta["optimizer"]["scalars"] = step_scalars(reader.path, steps)
 
 
 def _mismatch(reader: Any, what: str) -> CheckpointError:

@@ -57,11 +57,9 @@ class UniversalReader(DeepSpeedReader):
         if missing:
             raise CheckpointError(f"{path}: no zero/<name>/fp32.pt for {missing[:10]}; the universal checkpoint is "
                                   "incomplete.")
-        steps = {int(self._step(n)) for n, t in self.trainable.items() if t and (path / "zero" / n / "step.pt").is_file()}
-        self._scalar_state = {0: {"step": steps.pop()}} if len(steps) == 1 else {}
-        if steps:
-            raise CheckpointError(f"{path}: the parameters were stepped different numbers of times; shardwise keeps "
-                                  "one step count for all of them.")
+        # each parameter's step, checked for one count by _optimizer_meta as a ZeRO file's groups' are
+        self._scalar_state = {n: {"step": self._step(n)} for n, t in self.trainable.items()
+                              if t and (path / "zero" / n / "step.pt").is_file()}
         self.meta = self._meta(dict(self.common.get("ds_config") or {}))
         self.meta["universal"] = True
 
