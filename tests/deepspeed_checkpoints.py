@@ -34,15 +34,18 @@ def train(engine: Any, steps: range) -> list[float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = GLOBAL_BATCH // world
-    losses = []
-    for step in steps:
-        loss = engine(*micro_batch(step, 0, rank, micro, 1, world))
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return [step_on(engine, engine(*micro_batch(step, 0, rank, micro, 1, world))) for step in steps]
+
+
+def step_on(engine: Any, loss: Any) -> float:
+    """Backward and step on this rank's `loss`; the mean of every rank's (the global batch's, for equal slices)."""
+    import torch.distributed as dist
+
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def _library(name: str) -> Any:

@@ -30,7 +30,8 @@ from tests.reference import real_deepspeed
 real_deepspeed()  # imported once here so the forked ranks inherit it; skips in shardwise's own venv
 
 from tests.harness import run_distributed  # noqa: E402
-from tests.deepspeed_checkpoints import MORE, SAVED_AT, config, resume, resumed_precision, save_and_continue  # noqa: E402
+from tests.deepspeed_checkpoints import (  # noqa: E402
+    MORE, SAVED_AT, config, resume, resumed_precision, save_and_continue, step_on)
 from tests.parity import make_model, param_groups  # noqa: E402
 
 FP32_RTOL, BF16_RTOL, FP16_RTOL = 1e-5, 2**-7, 2**-10
@@ -146,16 +147,8 @@ def _train_dp(engine: Any, steps: int, start: int) -> list[float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = tpm.GLOBAL // world
-    losses = []
-    for step in range(start, start + steps):
-        ids = tpm.batch(step)[rank * micro : (rank + 1) * micro]
-        loss = tpm.loss_of(engine, ids)
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return [step_on(engine, tpm.loss_of(engine, tpm.batch(step)[rank * micro : (rank + 1) * micro]))
+            for step in range(start, start + steps)]
 
 
 def test_a_deepspeed_checkpoint_resumes_under_tensor_parallelism(tmp_path):
