@@ -23,7 +23,7 @@ DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test test-deepspeed gpu-install test-gpu clean finetune-demo
+.PHONY: install deepspeed-compat demo test deepspeed-ops test-deepspeed gpu-install test-gpu clean finetune-demo
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
@@ -47,9 +47,14 @@ demo: $(STAMP)
 # Two pytest-xdist workers: the tests spend much of their time starting processes and waiting on them, so two
 # workers keep both cores busy (conftest.py keeps each module on one worker). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
+
+# Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (as on CI) every one of the ~240 interpreters the
+# tests start would otherwise compile shardwise's and the tests' sources again (~0.2 s of CPU each).
+BYTECODE = $(BIN)/python -m compileall -q src compat/deepspeed tests conftest.py > /dev/null
 
 test: $(STAMP)
+	$(BYTECODE)
 	$(BIN)/python -m pytest -q -rs $(XDIST)
 
 # The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package.
@@ -62,10 +67,17 @@ $(DS_STAMP): $(STAMP)
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
 # Trainer-level comparisons from .venv, which run each script under both.
+# DeepSpeed compiles its CPU ops on first use (~1.5 minutes of both cores, in ~/.cache/torch_extensions; again
+# whenever .dsvenv's path changes). .ci/run builds them beside `make test`, so no parity test waits on the build.
+deepspeed-ops: $(DS_STAMP)
+	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
+		[get_accelerator().create_op_builder(op).load() for op in ('CPUAdamBuilder', 'FusedAdamBuilder', 'ShareMemCommBuilder')]"
+
 test-deepspeed: $(STAMP) $(DS_STAMP)
 	@# DeepSpeed builds its CPU ops on first use under torch's file lock; a build killed mid-way (Ctrl-C, a
 	@# timeout) leaves the lock behind and every later load waits on it forever. No build takes 10 minutes.
 	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +10 -print -delete 2>/dev/null || true
+	$(BYTECODE)
 	DS_ACCELERATOR=cpu SHARDWISE_REQUIRE_DEEPSPEED=1 PYTHONPATH=src:. $(DS_VENV)/bin/python -m pytest -q -rs $(XDIST) \
 		tests/distributed/test_deepspeed_parity.py tests/distributed/test_deepspeed_parity_backward.py \
 		tests/distributed/test_deepspeed_parity_bf16_masters.py tests/distributed/test_deepspeed_checkpoint_migration.py \

@@ -12,14 +12,32 @@ HOST_MODULES = {"test_deepspeed_command_hosts", "test_multinode", "test_elastic"
                 "test_multinode_no_ssh", "test_node_local_hosts"}
 
 
-def _group(item: pytest.Item) -> str:
-    module = item.module.__name__ if item.module else item.nodeid.split("::")[0]
-    return "hosts" if module.rsplit(".", 1)[-1] in HOST_MODULES else module
+def group_of(nodeid: str) -> str:
+    """The unit of work one worker runs whole: a test file, or "hosts" for the namespace-host modules."""
+    path = nodeid.split("::", 1)[0]
+    return "hosts" if path.rsplit("/", 1)[-1].removesuffix(".py") in HOST_MODULES else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {item: _group(item) for item in items}
-    for item, group in groups.items():
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: groups[item] != "hosts")  # stable: every module keeps its order
+    items.sort(key=lambda item: group_of(item.nodeid) != "hosts")  # stable: every module keeps its order
+
+
+class _GroupScheduling:
+    """Schedules by `group_of`, not by xdist's @group suffix: xdist puts that suffix on a private attribute that
+    pytest 9 no longer reads for the node id, so with it every test was its own group, a module ran on both
+    workers and its module-scoped oracles were computed twice."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN205 (xdist's Scheduling protocol)
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByGroup(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return group_of(nodeid)
+
+        return ByGroup(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):  # the hook exists only where xdist is loaded (-p no:xdist)
+        config.pluginmanager.register(_GroupScheduling(), "shardwise-group-scheduling")
