@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 
 install: $(STAMP)
 
-# "Using shardwise under Hugging Face Trainer / accelerate / DeepSpeed scripts" (README): the `deepspeed`
+# docs/moving-from-deepspeed.md ("Hugging Face Trainer, accelerate and DeepSpeed's own scripts"): the `deepspeed`
 # package and command in .venv, mapped onto shardwise.
 deepspeed-compat: $(STAMP)
 	@$(BIN)/python -c "import deepspeed; print('deepspeed', deepspeed.__version__, 'from', deepspeed.__file__)"
@@ -86,7 +86,7 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs $(XDIST) -m deepspeed_parity tests/compat
 
-# The device suite, on a lent GPU machine (README, "The device suite"): installs shardwise and the compat package
+# The device suite, on a lent GPU machine (docs/contributing.md, "The device suite"): installs shardwise and the compat package
 # for real into the image's Python beside its torch 2.11 (no network there: pydantic comes from .whl/, which
 # tools/fetch_device_wheels.sh fills here and the device call carries), prints the machine, the versions and the
 # commit, then runs tests/gpu on CUDA. The JUnit XML and a JSON summary (machine, versions, commit, each test) go

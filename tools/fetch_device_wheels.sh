@@ -6,8 +6,8 @@
 # For CPython 3.12 on x86_64 Linux, the image's Python. Idempotent: a wheel already there is not fetched again
 # (then it takes well under a second), another version of the same package is removed (two stop an install).
 # It also stamps .whl/commit.txt with this checkout's commit, which the device's copy of the tree lacks (no .git
-# travels): run it right before each device call. The device call then names .whl in `carry` (README, "The
-# device suite").
+# travels): run it right before each device call. The device call then names .whl in `carry` (docs/contributing.md,
+# "The device suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

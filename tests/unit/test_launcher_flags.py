@@ -18,7 +18,7 @@ from shardwise.launcher.flags import build_launch_parser, parse_launch_args
 DS_FLAGS = json.loads((Path(__file__).parents[1] / "data" / "deepspeed_0_19_8_launcher_flags.json").read_text())
 # A value each valued flag accepts, and what the parsed option then holds (default: the text, or int(text)).
 SAMPLES = {"launcher": ("OpenMPI", "openmpi"), "bind_core_list": ("0-1", "0-1"), "log_level": ("Warning", "warning")}
-# DeepSpeed defaults that shardwise does not treat as "not given", on purpose (see the README).
+# DeepSpeed defaults that shardwise does not treat as "not given", on purpose (see docs/guides/launching.md).
 DEFAULT_DIFFERS = {
     "hostfile": "an explicit hostfile that does not exist is an error; DeepSpeed warns and runs locally",
     "master_port": "an explicit port must be free; left out, a free one replaces a busy 29500",

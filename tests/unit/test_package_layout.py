@@ -1,6 +1,6 @@
 """The shape of `src/shardwise`, checked from the source text: imports flow one way (no circle between
-packages, nor between files, contracts in a leaf), callers never probe a strategy for attributes, and README's Layout names
-exactly what `ls` shows."""
+packages, nor between files, contracts in a leaf), callers never probe a strategy for attributes, and the Layout page (docs/layout.md)
+names exactly what `ls` shows."""
 
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ def test_nothing_probes_a_strategy_for_attributes():
     assert not probing, f"capabilities a caller needs are typed members of ShardingStrategy; probed at {probing}"
 
 
-def _readme_layout_names() -> set[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _layout_page_names() -> set[str]:
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
     block = text.split("## Layout", 1)[1].split("```")[1]
     names = set()
     for line in block.splitlines():
@@ -142,7 +142,7 @@ def _readme_layout_names() -> set[str]:
     return names
 
 
-def test_readme_layout_matches_the_tree():
-    listed, present = _readme_layout_names(), set(TOP)
-    assert present - listed == set(), f"README's Layout lacks {sorted(present - listed)}"
-    assert listed - present == set(), f"README's Layout names what is not in src/shardwise: {sorted(listed - present)}"
+def test_the_layout_page_matches_the_tree():
+    listed, present = _layout_page_names(), set(TOP)
+    assert present - listed == set(), f"docs/layout.md lacks {sorted(present - listed)}"
+    assert listed - present == set(), f"docs/layout.md names what is not in src/shardwise: {sorted(listed - present)}"

@@ -1,6 +1,6 @@
 """The launcher's options: every flag of DeepSpeed's ``deepspeed`` command, and what shardwise does with it.
 
-This parser is the one table of flags and their treatment (the README's Launching section mirrors it). Names,
+This parser is the one table of flags and their treatment (docs/guides/launching.md mirrors it). Names,
 short forms and defaults follow DeepSpeed 0.19.8's launcher (``tests/data/deepspeed_0_19_8_launcher_flags.json``,
 extracted by ``tools/extract_deepspeed_launcher_flags.py``), plus flags of older DeepSpeed releases
 (``--elastic_training``, ``--min/max_elastic_nodes``, ``--comment``, ``--account``); dashed spellings work too.

@@ -2,8 +2,8 @@ from shardwise.config import ConfigError as DeepSpeedConfigError
 from shardwise.config import parse_config as DeepSpeedConfig
 
 # The `optimizer.type` names the engine builds itself (lower case); scripts compare `engine.optimizer_name()`
-# with them. DeepSpeed 0.19.8 dropped the 1-bit optimizers and their three names; shardwise builds them (README,
-# "Communication-compressed optimizers"), so the names older scripts (DeepSpeedExamples' bing_bert) use are here.
+# with them. DeepSpeed 0.19.8 dropped the 1-bit optimizers and their three names; shardwise builds them (docs/guides/
+# compressed-optimizers.md), so the names older scripts (DeepSpeedExamples' bing_bert) use are here.
 ADAGRAD_OPTIMIZER = "adagrad"
 ADAM_OPTIMIZER = "adam"
 ADAMW_OPTIMIZER = "adamw"
