@@ -23,18 +23,27 @@ DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test deepspeed-ops test-deepspeed gpu-install test-gpu clean finetune-demo
+.PHONY: install deepspeed-compat demo test deepspeed-ops test-deepspeed gpu-install test-gpu clean finetune-demo docs
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
 $(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(call install_torch,$(BIN)/pip)
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[test,docs]"
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e ./compat/deepspeed
 	touch $@
 
 install: $(STAMP)
+
+# The docs site (mkdocs.yml) into site/, strict: a broken link or an API name that no longer resolves fails it.
+# The generated pages (benchmarks, troubleshooting) are rendered first; tests/unit/test_docs_pages.py fails when
+# the committed ones differ (CI: DOCS_PAGES=--check, so that a stale committed page fails rather than being
+# rewritten before the test sees it). `make install` puts the `docs` extra in .venv: `make test` opens the site.
+DOCS_PAGES ?= --write
+docs: $(STAMP)
+	$(BIN)/python tools/docs_pages.py $(DOCS_PAGES)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d site
 
 # docs/moving-from-deepspeed.md ("Hugging Face Trainer, accelerate and DeepSpeed's own scripts"): the `deepspeed`
 # package and command in .venv, mapped onto shardwise.

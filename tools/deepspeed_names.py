@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = ROOT / "tests" / "data" / "deepspeed_examples_names.json"
-PAGE = ROOT / "docs" / "deepspeed_examples_names.md"
+PAGE = ROOT / "docs" / "reference" / "deepspeed-names.md"
 STAND_IN_MODULE = "shardwise.unsupported"
 NO_ARGUMENT_FACTORIES = {"get_accelerator"}  # called while resolving `get_accelerator().device_name`
 

@@ -1,5 +1,5 @@
 """Every `deepspeed.*` name DeepSpeedExamples and DeepSpeed-Chat use (tests/data/deepspeed_examples_names.json,
-written by tools/deepspeed_names.py) has the fate the catalogue and docs/deepspeed_examples_names.md say: it works,
+written by tools/deepspeed_names.py) has the fate the catalogue and docs/reference/deepspeed-names.md say: it works,
 or it refuses with shardwise's NotSupportedError; and the two names the pipeline example needs behave as
 DeepSpeed's do (RepeatingLoader, set_random_seed)."""
 

@@ -84,8 +84,8 @@ def test_key_is_accepted_or_refused_as_not_implemented(path, value, context, rem
 def test_docs_page_is_rendered_from_the_table():
     from shardwise.config.key_docs import render
 
-    page = Path(__file__).parents[2] / "docs" / "config_keys.md"
-    assert page.read_text() == render(), "docs/config_keys.md is stale: python -m shardwise.config.key_docs > docs/config_keys.md"
+    page = Path(__file__).parents[2] / "docs" / "reference" / "config.md"
+    assert page.read_text() == render(), "docs/reference/config.md is stale: python -m shardwise.config.key_docs > docs/reference/config.md"
 
 
 def test_catalogue_matches_the_installed_deepspeed():

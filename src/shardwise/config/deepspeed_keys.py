@@ -13,7 +13,7 @@ Four treatments (CONVENTIONS.md, "Config"):
   `tensor_parallel` asks for nothing unless `autotp_size` > 0 (DeepSpeed's own switch).
 
 Keys are dotted paths; `section.*` covers a section and everything in it. `ALIASES` maps DeepSpeed's
-other spellings onto shardwise's field names. `docs/config_keys.md` is rendered from this table
+other spellings onto shardwise's field names. `docs/reference/config.md` is rendered from this table
 (`python -m shardwise.config.key_docs`), and tests/unit/test_config_keys.py walks DeepSpeed's own key
 catalogue (tests/data/deepspeed_0_19_8_config_keys.json) through the parser.
 """

@@ -1,6 +1,6 @@
-"""Render the DeepSpeed key table (`deepspeed_keys.py`) as docs/config_keys.md.
+"""Render the DeepSpeed key table (`deepspeed_keys.py`) as docs/reference/config.md.
 
-    python -m shardwise.config.key_docs > docs/config_keys.md
+    python -m shardwise.config.key_docs > docs/reference/config.md
 
 tests/unit/test_config_keys.py fails when the committed page differs from this rendering.
 """
@@ -14,7 +14,7 @@ _INTRO = f"""# DeepSpeed config keys in shardwise
 
 shardwise runs DeepSpeed 0.19.8 configs unchanged. This page lists what it does with each key DeepSpeed
 reads; it is generated from `src/shardwise/config/deepspeed_keys.py` (`python -m shardwise.config.key_docs >
-docs/config_keys.md`), and `tests/unit/test_config_keys.py` feeds every key of DeepSpeed's own catalogue
+docs/reference/config.md`), and `tests/unit/test_config_keys.py` feeds every key of DeepSpeed's own catalogue
 (`tests/data/deepspeed_0_19_8_config_keys.json`, extracted by `tools/deepspeed_config_keys.py`) through the
 parser. `section.*` stands for a section and every key in it; a more specific row wins.
 

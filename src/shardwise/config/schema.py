@@ -49,7 +49,7 @@ def config_json_schema() -> Schema:
     _offload_param_below_stage3(_section(root["properties"]["zero_optimization"]))
     root.update(title="shardwise / DeepSpeed config",
                 description="A training config (ds_config.json) as shardwise.initialize reads it: DeepSpeed's keys "
-                            "and spellings; docs/config_keys.md says what each DeepSpeed key does in shardwise.")
+                            "and spellings; docs/reference/config.md says what each DeepSpeed key does in shardwise.")
     return {"$schema": DRAFT, **root}
 
 
