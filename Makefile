@@ -77,7 +77,7 @@ $(DS_STAMP): $(STAMP)
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
 # Trainer-level comparisons from .venv, which run each script under both.
 # DeepSpeed compiles its CPU ops on first use (~1.5 minutes of both cores, in ~/.cache/torch_extensions; again
-# whenever .dsvenv's path changes). .ci/run builds them beside `make test`, so no parity test waits on the build.
+# whenever .dsvenv's path changes): `make deepspeed-ops` builds them ahead, e.g. before timing the parity tests.
 deepspeed-ops: $(DS_STAMP)
 	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
 		[get_accelerator().create_op_builder(op).load() for op in ('CPUAdamBuilder', 'FusedAdamBuilder', 'ShareMemCommBuilder')]"
