@@ -50,7 +50,7 @@ def run_demo(name: str, optimizer: dict[str, Any], root: Path, steps: int, eval_
     """One demo run; its validation losses, the CSV's training losses, or {"error": ...} with the output's tail."""
     config_path = root / f"{name}.json"
     config_path.write_text(json.dumps(demo_config(optimizer, root / "runs", name)))
-    cmd = [sys.executable, "-m", "shardwise.launcher.cli", "--num_gpus", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", "--master_port", str(free_port()),
            str(DEMO / "train.py"), "--config", str(config_path), "--steps", str(steps),
            "--eval_interval", str(eval_interval), "--save_dir", str(root / "checkpoints" / name), "--sample_bytes", "0"]
     started = time.perf_counter()
@@ -115,7 +115,7 @@ def plot_curves(runs: dict[str, dict[str, Any]], root: Path, png: Path) -> str:
             rows = list(csv.reader(f))
         with (folder / f"Train_Samples_train_loss_{name}.csv").open("w", newline="") as f:
             csv.writer(f).writerows([["step", f"train_loss_{name}"], *rows[1:]])
-    done = subprocess.run([sys.executable, "-m", "shardwise.launcher.cli", "plot", title, "-o", str(png.resolve())],
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "plot", title, "-o", str(png.resolve())],
                           cwd=root, env=_env(), capture_output=True, text=True, timeout=300, check=False)
     return (done.stdout + done.stderr).strip()
 

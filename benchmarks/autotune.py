@@ -50,7 +50,7 @@ def search(name: str, tuner: str, args: argparse.Namespace, work: Path) -> dict[
     where.mkdir()
     config = where / "ds_tune.json"
     config.write_text(json.dumps(tune_config(args.batch, args.budget_mib * 2**20, tuner)))
-    command = [sys.executable, "-m", "shardwise.launcher.cli", "autotune", "--num_gpus", str(WORLD),
+    command = [sys.executable, "-m", "shardwise.cli", "autotune", "--num_gpus", str(WORLD),
                *script_args(args.preset, args.seq_len, work, config)]
     log(name, "searching")
     done = subprocess.run(command, cwd=where, capture_output=True, text=True)
@@ -108,7 +108,7 @@ def rerun(config_path: str, args: argparse.Namespace, work: Path, round_: int, n
     config["autotuning"] |= {"metric_path": str(metrics), "stop_below": None, "memory_per_rank": None}
     path = work / f"rerun_{name}_{round_}_config.json"
     path.write_text(json.dumps(config))
-    command = [sys.executable, "-m", "shardwise.launcher.cli", "--num_gpus", str(WORLD),
+    command = [sys.executable, "-m", "shardwise.cli", "--num_gpus", str(WORLD),
                *script_args(args.preset, args.seq_len, work, path)]
     subprocess.run(command, cwd=work, capture_output=True, text=True, check=True)
     return float(json.loads(metrics.read_text())["throughput"])

@@ -74,7 +74,7 @@ def run(name: str, section: dict[str, Any] | None, steps: int, args: argparse.Na
         config["curriculum_learning"] = section
     path = root / f"{name}.json"
     path.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "shardwise.launcher.cli", "--num_gpus", str(WORLD), "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "shardwise.cli", "--num_gpus", str(WORLD), "--master_port", str(free_port()),
            str(DEMO / "train.py"), "--config", str(path), "--steps", str(steps), "--seq_len", str(args.seq_len),
            "--eval_interval", str(max(steps, 1)), "--save_dir", str(root / "ckpt" / name), "--sample_bytes", "0"]
     started = time.perf_counter()

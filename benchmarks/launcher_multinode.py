@@ -57,7 +57,7 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def shardwise(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "shardwise.launcher.cli", *args]
+    return [sys.executable, "-m", "shardwise.cli", *args]
 
 
 def comm(cmd: list[str], out: Path, cwd: Path, extra_env: dict[str, str]) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ def test_the_deepspeed_command_tunes_a_trainer_script(tmp_path: Path) -> None:
                   "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
                   "gradient_accumulation_steps": "--gradient_accumulation_steps"}}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    deepspeed = [sys.executable, "-c", "import sys; from shardwise.launcher.cli import deepspeed_main; "
+    deepspeed = [sys.executable, "-c", "import sys; from shardwise.cli import deepspeed_main; "
                  "sys.exit(deepspeed_main())"]
     command = [*deepspeed, "--autotuning", "tune", "--num_gpus", "1", str(SCRIPTS / "hf_trainer.py"), "--deepspeed",
                "ds.json", "--out", str(tmp_path / "out"), "--base", str(tmp_path / "base"), "--steps", "20",

@@ -16,7 +16,7 @@ import torch
 from tests.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-SHARDWISE = [sys.executable, "-m", "shardwise.launcher.cli"]
+SHARDWISE = [sys.executable, "-m", "shardwise.cli"]
 
 
 def _experiment(autotuning: dict[str, Any], steps: int) -> dict[str, Any]:

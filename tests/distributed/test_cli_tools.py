@@ -29,7 +29,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_report_lists_versions_devices_and_pieces_that_ran(tmp_path: Path) -> None:
     from shardwise.version import __version__
 
-    got = json.loads(_run(["-m", "shardwise.launcher.cli", "report", "--json"], tmp_path).stdout)
+    got = json.loads(_run(["-m", "shardwise.cli", "report", "--json"], tmp_path).stdout)
     assert (got["shardwise"], got["torch"], got["python"]) == (__version__, torch.__version__, platform.python_version())
     assert got["CPU cores"] == str(os.cpu_count()) and got["gloo backend"] == "yes"
     assert got["CUDA devices"] == ("none" if not torch.cuda.is_available() else got["CUDA devices"])
@@ -41,7 +41,7 @@ def test_report_lists_versions_devices_and_pieces_that_ran(tmp_path: Path) -> No
 def test_report_table_says_why_a_piece_does_not_work(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Each piece is run, not just imported: a CPU Adam that cannot step is reported with the error."""
-    from shardwise.launcher import cli
+    from shardwise import cli
 
     class BrokenAdamW:
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -56,7 +56,7 @@ def test_report_table_says_why_a_piece_does_not_work(monkeypatch: pytest.MonkeyP
 
 def test_check_comm_under_the_launcher_at_world_size_2(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
-    result = _run(["-m", "shardwise.launcher.cli", "check-comm", "--num_gpus", "2", "--sizes", "4K,64K", "--iters", "2",
+    result = _run(["-m", "shardwise.cli", "check-comm", "--num_gpus", "2", "--sizes", "4K,64K", "--iters", "2",
                    "--json", str(out)], tmp_path)
     # The sanity checks: every rank says what it received.
     assert "rank 0/2 on " in result.stdout and ": broadcast got 42, all_reduce got 3 (expected 3) OK" in result.stdout

@@ -120,7 +120,7 @@ def run_shardwise(args: list[str], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S)
         # Two tests launching at once (pytest's two workers) would both find the default port 29500 free and one
         # would fail to bind it; the default's own choice is tested in test_busy_default_port_is_replaced_and_said.
         args = [f"--master_port={free_port()}", *args]
-    return run_command([sys.executable, "-m", "shardwise.launcher.cli", *args], cwd, timeout)
+    return run_command([sys.executable, "-m", "shardwise.cli", *args], cwd, timeout)
 
 
 def reports(result: subprocess.CompletedProcess[str]) -> list[dict]:
@@ -273,7 +273,7 @@ def test_ranks_exit_cleanly_right_after_collectives(tmp_path: Path) -> None:
 
 
 def shardwise_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from shardwise.launcher.cli import main
+    from shardwise.cli import main
 
     code = main(args)
     out, err = capsys.readouterr()
@@ -349,7 +349,7 @@ def test_busy_explicit_port_is_an_error() -> None:
 
 
 def test_known_subcommand_is_dispatched_not_launched(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.launcher import cli
+    from shardwise import cli
 
     seen: list[list[str]] = []
     fake = cli.Subcommand("test tool", lambda argv: seen.append(argv) or 7)

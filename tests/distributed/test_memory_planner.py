@@ -1,5 +1,5 @@
 """The planner's per-rank peak against the peak measured during a training step, at world 2, for every ZeRO
-stage and offload mode (issue 24: within 10%). The measured peak is the CPU allocator's, from the profiler's
+stage and offload mode, within 10% (the planner's target). The measured peak is the CPU allocator's, from the profiler's
 memory records (planner/measure.py), over step 2; the plan sees only the model's shape, the config and the
 activations of one traced micro-batch."""
 

@@ -85,7 +85,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launcher_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "shardwise.launcher.cli", *args]
+    return [sys.executable, "-m", "shardwise.cli", *args]
 
 
 def run_ok(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

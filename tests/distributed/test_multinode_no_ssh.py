@@ -26,7 +26,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
 
 
 def start_node(hosts: Hosts, node: int, args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "shardwise.launcher.cli", *args]
+    cmd = [sys.executable, "-m", "shardwise.cli", *args]
     return subprocess.Popen(hosts.in_ns(node, cmd), cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

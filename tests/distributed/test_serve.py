@@ -29,7 +29,7 @@ def test_serve_at_tp2_matches_the_model_alone_and_stops_cleanly_on_sigterm(tmp_p
     port, log = _free_port(), tmp_path / "serve.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "shardwise.launcher.cli", "serve", "--model", str(folder), "--tp", "2",
+            [sys.executable, "-m", "shardwise.cli", "serve", "--model", str(folder), "--tp", "2",
              "--port", str(port), "--max_out_tokens", str(MAX_OUT_TOKENS), "--max_batch_size", "4",
              "--served_model_name", "tiny-served"],
             cwd=tmp_path, env=child_env(), stdout=out, stderr=subprocess.STDOUT)

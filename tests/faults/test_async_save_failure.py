@@ -108,7 +108,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_unreported_background_failure_fails_the_process(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    launch = ["-m", "shardwise.launcher.cli", "--num_gpus", "2", str(script)]
+    launch = ["-m", "shardwise.cli", "--num_gpus", "2", str(script)]
     healthy = _run([*launch, str(tmp_path / "healthy")], tmp_path)
     assert healthy.returncode == 0, healthy.stderr[-3000:]
     assert "CheckpointError" not in healthy.stdout + healthy.stderr

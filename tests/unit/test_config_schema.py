@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from shardwise.config import ConfigError, config_json_schema, parse_config
-from shardwise.launcher import cli
+from shardwise import cli
 from tests.json_schema import errors, unknown_keywords
 
 REPO = Path(__file__).resolve().parents[2]

@@ -132,7 +132,7 @@ def test_sys_exit_in_a_rank_is_recorded_with_where_it_was_called(tmp_path, monke
 
 
 def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    from shardwise.launcher.cli import main
+    from shardwise.cli import main
 
     code = main(args)
     return code, capsys.readouterr().err

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.launcher import cli, local
+from shardwise import cli
+from shardwise.launcher import local
+from shardwise.launcher.cli import plan_launch
 from shardwise.launcher.flags import build_launch_parser, parse_launch_args
 
 DS_FLAGS = json.loads((Path(__file__).parents[1] / "data" / "deepspeed_0_19_8_launcher_flags.json").read_text())
@@ -175,7 +177,7 @@ def test_no_ssh_starts_only_this_nodes_agent(script: Path, started: list, monkey
 def test_runner_options_reach_the_runner_commands(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from shardwise.launcher import multinode, runners
 
-    plan = cli.plan_launch(parse_launch_args(["-H", "two_hosts", "--launcher", "slurm", "--comment", "c 1",
+    plan = plan_launch(parse_launch_args(["-H", "two_hosts", "--launcher", "slurm", "--comment", "c 1",
                                               "--account=acct", "--bind_cores_to_rank", str(script)]))
     (srun,) = multinode.scheduler_commands(plan, "/unused")
     assert "--comment=c 1" in srun.argv and "--account=acct" in srun.argv
@@ -190,7 +192,7 @@ def test_runner_options_reach_the_runner_commands(script: Path, capsys: pytest.C
 @pytest.mark.parametrize(("level", "noted"), [([], True), (["--log_level", "warning"], False)])
 def test_slurm_only_tags_are_noted_when_dropped(level: list[str], noted: bool, script: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    cli.plan_launch(parse_launch_args(["-H", "two_hosts", "--launcher", "ssh", "--account", "a", *level, str(script)]))
+    plan_launch(parse_launch_args(["-H", "two_hosts", "--launcher", "ssh", "--account", "a", *level, str(script)]))
     assert ("--account is passed on only by --launcher slurm (to srun); ignored for --launcher ssh."
             in capsys.readouterr().err) == noted
 
@@ -243,6 +245,30 @@ def test_deepspeed_entry_point_calls_itself_deepspeed(script: Path, capsys: pyte
         cli.deepspeed_main(["--launcher", "bogus", str(script)])
     assert "deepspeed: error: argument --launcher: invalid choice: 'bogus'" in capsys.readouterr().err
 
+
+
+def test_the_launcher_alone_refuses_autotuning_which_the_commands_hand_to_the_tuner(
+        script: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner sits above the launcher: `shardwise`/`deepspeed` pass it in; a bare launch says where it is."""
+    import subprocess
+    import sys
+
+    from shardwise.autotune import cli as autotune
+    from shardwise.launcher.cli import run_launch
+
+    handed: list[tuple[list[str], str, str]] = []
+    monkeypatch.setattr(autotune, "from_launcher", lambda argv, mode, prog: handed.append((argv, mode, prog)) or 5)
+    assert cli.main(["--autotuning", "run", str(script)]) == 5 and cli.deepspeed_main(["--autotuning", "tune"]) == 5
+    assert handed == [(["--autotuning", "run", str(script)], "run", "shardwise"), (["--autotuning", "tune"], "tune",
+                                                                                    "deepspeed")]
+    assert run_launch(["--autotuning", "tune", str(script)], "shardwise") == 2
+    assert capsys.readouterr().err == ("shardwise: error: --autotuning tune: this entry point only launches; run the "
+                                       "shardwise or deepspeed command (python -m shardwise.cli), which starts the "
+                                       "tuner.\n")
+    bare = subprocess.run([sys.executable, "-m", "shardwise.launcher.cli", "--num_gpus", "0", str(script)],
+                          capture_output=True, text=True, timeout=60)  # still a launch, not a silent no-op
+    assert (bare.returncode, bare.stderr) == (2, "shardwise: error: --num_gpus must be at least 1 (or -1 for all); "
+                                                 "got 0.\n")
 
 def test_ds_report_takes_deepspeeds_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from shardwise.launcher import report

@@ -66,7 +66,7 @@ def test_stage2_staging_is_bounded_by_the_buckets_in_flight() -> None:
 def test_plan_command_prints_the_table_and_json(tmp_path: Path) -> None:
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({**_cfg(3), "bf16": {"enabled": True}}))
-    args = [sys.executable, "-m", "shardwise.launcher.cli", "plan", "--model", "examples.demo.model:from_preset",
+    args = [sys.executable, "-m", "shardwise.cli", "plan", "--model", "examples.demo.model:from_preset",
             "--model_arg", "name=demo", "--model_arg", "n_layer=2", "--config", str(config), "--world", "2"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -78,7 +78,7 @@ def test_plan_command_prints_the_table_and_json(tmp_path: Path) -> None:
 def test_plan_command_refuses_a_model_it_cannot_name(tmp_path: Path) -> None:
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(_cfg(0)))
-    out = subprocess.run([sys.executable, "-m", "shardwise.launcher.cli", "plan", "--model", "gpt2", "--config",
+    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", "--model", "gpt2", "--config",
                           str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "package.module:factory" in out.stderr
 

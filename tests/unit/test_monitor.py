@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardwise.config import ConfigError, parse_config
-from shardwise.launcher.cli import main as cli_main
+from shardwise.cli import main as cli_main
 from shardwise.monitor import FanOut, build_monitor, log_dir
 from shardwise.monitor.console import ConsoleMonitor
 from shardwise.monitor.csv_monitor import CSVMonitor

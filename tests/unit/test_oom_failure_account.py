@@ -11,7 +11,7 @@ from shardwise.planner.oom import FIT_SHARE, MemoryAtFailure, changes_that_fit, 
 from shardwise.profiling.memory import Bytes, MemoryBreakdown
 
 MiB = 2**20
-# The host failure of issue 18: a 3.3M-parameter model (12.55 MiB in fp32) at micro-batch 64 under an address-space
+# A host failure seen in a real run: a 3.3M-parameter model (12.55 MiB in fp32) at micro-batch 64 under an address-space
 # rlimit; its first forward failed having saved 192.63 MiB in a quarter of the modules, so the plans counted
 # 770.5 MiB of activations at micro-batch 64. The plan of micro-batch 16 (243 MiB) was within 90% of the capacity
 # (318 MiB) and failed again under the same limit; micro-batch 8 trained.

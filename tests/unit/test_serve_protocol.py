@@ -173,7 +173,7 @@ def test_the_agent_leaves_sigterm_and_sigint_to_serve_when_asked() -> None:
 
 
 def test_the_launcher_lists_serve_and_loads_neither_torch_nor_fastapi_for_it() -> None:
-    code = ("import sys, shardwise.launcher.cli as c; assert 'serve' in c.SUBCOMMANDS; "
+    code = ("import sys, shardwise.cli as c; assert 'serve' in c.SUBCOMMANDS; "
             "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -122,7 +122,7 @@ class Experiments:
         config_path = where / "ds_config.json"
         config_path.write_text(json.dumps(config, indent=2))
         values = {MICRO: candidate.micro, ACCUMULATION: candidate.accumulation}
-        command = [sys.executable, "-m", "shardwise.launcher.cli",
+        command = [sys.executable, "-m", "shardwise.cli",
                    *self.launch.argv(config_path.resolve(), self.section.arg_mappings, values)]
         (where / "cmd.txt").write_text(" ".join(command) + "\n")
         exp = {"name": name, "candidate": dataclasses.asdict(candidate), "ds_config": config}

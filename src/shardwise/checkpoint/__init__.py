@@ -1,4 +1,8 @@
-"""Checkpoints: safetensors + a JSON manifest, written atomically by every rank, loadable at any layout."""
+"""Checkpoints: safetensors + a JSON manifest, written atomically by every rank, loadable at any layout.
+
+DeepSpeed's checkpoints too (the `deepspeed_*` modules): read at any layout as if shardwise had written them
+(ZeRO 0-3 folders, universal folders), written in its layout for DeepSpeed to resume (`checkpoint.format:
+"deepspeed"`, `shardwise checkpoint export`), and converted (`shardwise checkpoint import`)."""
 
 from .errors import CheckpointError
 from .load import load_checkpoint

@@ -1,4 +1,5 @@
-"""Config: the typed sections and the one parser of raw JSON/dict configs."""
+"""Config: the typed sections, the one parser of raw JSON/dict configs, and the table of every DeepSpeed key with
+what shardwise does with it (`deepspeed_keys.py`, applied by `compat.py`)."""
 
 from .errors import ConfigError
 from .parse import parse_config

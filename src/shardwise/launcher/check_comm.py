@@ -150,7 +150,7 @@ def worker(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    import shardwise
+    from shardwise.distributed.init import init_distributed
 
     args = build_parser().parse_args(argv)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -158,7 +158,7 @@ def worker(argv: list[str]) -> int:
     if unknown:
         raise SystemExit(f"--ops: unknown {unknown}; choose from {', '.join(OPS)}.")
     torch.set_num_threads(1)
-    shardwise.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None, verbose=False)
+    init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None, verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     problems = sanity(rank, world)
     failed = torch.tensor([float(len(problems))])
@@ -185,9 +185,9 @@ def main(argv: list[str]) -> int:
     own, launcher_options = build_parser().parse_known_args(argv)
     forwarded = [f"--sizes={own.sizes}", f"--iters={own.iters}", f"--ops={own.ops}"]
     forwarded += [f"--json={os.path.abspath(own.json)}"] if own.json else []
-    from shardwise.launcher.cli import main as shardwise_main
+    from shardwise.launcher.cli import run_launch
 
-    return shardwise_main([*launcher_options, "--no_local_rank", "--module", __name__, *forwarded])
+    return run_launch([*launcher_options, "--no_local_rank", "--module", __name__, *forwarded], "shardwise")
 
 
 if __name__ == "__main__":

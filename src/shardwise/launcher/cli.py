@@ -1,10 +1,9 @@
-"""The ``shardwise`` command line: dispatches subcommands, otherwise parses and starts a launch.
+"""A launch: ``shardwise [launcher options] script.py [script args]`` checked, planned and started.
 
-``shardwise [launcher options] script.py [script args]`` starts one process per device on this machine or on
-every node of a hostfile; every flag of DeepSpeed's ``deepspeed`` command is accepted (``flags.py`` is the
-table). ``shardwise <subcommand> ...`` runs a tool instead; subcommands register in :data:`SUBCOMMANDS`, and a
-first argument naming one is never read as a script. :func:`deepspeed_main` is the same launcher under
-DeepSpeed's name, for the ``deepspeed`` command of the compatibility distribution.
+Starts one process per device on this machine or on every node of a hostfile; every flag of DeepSpeed's
+``deepspeed`` command is accepted (``flags.py`` is the table). The ``shardwise`` and ``deepspeed`` commands
+(``shardwise/cli.py``) call :func:`run_launch` when the first argument names no subcommand; the tools that start
+processes (``shardwise autotune``, ``check-comm``) call it too.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from shardwise.launcher import affinity
 from shardwise.launcher.flags import LaunchError, parse_launch_args
@@ -22,65 +21,10 @@ if TYPE_CHECKING:
     from shardwise.launcher.local import LocalLaunch
     from shardwise.launcher.multinode import MultiNodeLaunch
 
-__all__ = ["LaunchError", "SUBCOMMANDS", "Subcommand", "deepspeed_main", "launch", "main", "plan_launch"]
+__all__ = ["Autotune", "LaunchError", "launch", "plan_launch", "run_launch"]
 MULTI_NODE_ERROR = "several nodes need a --hostfile listing them ('<host> slots=<N>' per line)"
-
-
-class Subcommand(NamedTuple):
-    """A ``shardwise <name> ...`` tool: ``run`` gets the arguments after the name, returns the exit status."""
-
-    summary: str
-    run: Callable[[list[str]], int]
-
-
-def _plot(argv: list[str]) -> int:
-    from shardwise.monitor.plot import main as plot_main  # matplotlib only when plotting
-
-    return plot_main(argv)
-
-
-def _tool(module: str, **kwargs: str) -> Callable[[list[str]], int]:
-    """A subcommand implemented by ``<module>.main(argv, **kwargs)``, imported by name only when run: the
-    launcher depends on none of the tools it lists (``shardwise.zero``, for one, sits above it)."""
-
-    def run(argv: list[str]) -> int:
-        import importlib
-
-        return int(importlib.import_module(module).main(argv, **kwargs) or 0)
-
-    return run
-
-
-def _checkpoint(argv: list[str]) -> int:
-    from shardwise.checkpoint.cli import main as checkpoint_main
-
-    return checkpoint_main(argv)
-
-
-SUBCOMMANDS: dict[str, Subcommand] = {
-    "autotune": Subcommand("find the fastest config that fits: ZeRO stage, micro-batch, offload (= --autotuning tune)",
-                           _tool("shardwise.autotune.cli", prog="shardwise autotune")),
-    "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
-    "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)",
-                         _tool("shardwise.config.cli")),
-    "estimate": Subcommand("model-state memory per rank at each ZeRO stage (--params 1.3e9 --num_gpus 8)",
-                           _tool("shardwise.zero.estimate", prog="shardwise estimate")),
-    "plan": Subcommand("planned per-rank peak memory of a config, by parts (--model M --config ds.json --world N)",
-                       _tool("shardwise.planner.cli", prog="shardwise plan")),
-    "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
-    "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
-    "serve": Subcommand("an OpenAI-style completions endpoint for a Hugging Face model, split over --tp processes",
-                        _tool("shardwise.inference.serve.cli")),
-    "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
-                             _tool("shardwise.launcher.check_comm")),
-    "k8s": Subcommand("write a Kubeflow PyTorchJob (or Trainer v2 TrainJob) manifest for this training",
-                      _tool("shardwise.launcher.k8s")),
-}
-
-
-def subcommand_epilog() -> str:
-    lines = [f"  {name:<12} {cmd.summary}" for name, cmd in sorted(SUBCOMMANDS.items())]
-    return "subcommands (shardwise <subcommand> --help):\n" + "\n".join(lines)
+# `--autotuning MODE`: the tuner gets the whole argument list, MODE ("tune" or "run") and the command's name.
+Autotune = Callable[[list[str], str, str], int]
 
 
 def check_options(args: argparse.Namespace, hostfile: str | None) -> None:
@@ -204,14 +148,16 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
     ))
 
 
-def launch(argv: list[str], prog: str = "shardwise") -> int:
-    """``shardwise [options] script [args]``: start the processes, return the job's exit status."""
-    epilog = subcommand_epilog() if prog == "shardwise" else None
+def launch(argv: list[str], prog: str = "shardwise", epilog: str | None = None,
+           autotune: Autotune | None = None) -> int:
+    """``shardwise [options] script [args]``: start the processes, return the job's exit status. ``autotune`` runs
+    ``--autotuning``: the tuner sits above the launcher, which it uses, so the command passes it in."""
     args = parse_launch_args(argv, prog, epilog)
     if args.autotuning:  # the tuner launches the experiments, then (run) the training, through this launcher
-        import importlib
-
-        return int(importlib.import_module("shardwise.autotune.cli").from_launcher(argv, args.autotuning, prog))
+        if autotune is None:
+            raise LaunchError(f"--autotuning {args.autotuning}: this entry point only launches; run the shardwise or "
+                              "deepspeed command (python -m shardwise.cli), which starts the tuner.")
+        return autotune(argv, args.autotuning, prog)
     plan = plan_launch(args)
     from shardwise.launcher.multinode import MultiNodeLaunch, launch_multinode
 
@@ -232,27 +178,14 @@ def _plan_errors() -> tuple[type[ValueError], ...]:
     return HostfileError, EnvFileError, RunnerError, CoreBindingError
 
 
-def run_launch(argv: list[str], prog: str) -> int:
+def run_launch(argv: list[str], prog: str, epilog: str | None = None, autotune: Autotune | None = None) -> int:
+    """:func:`launch` with the user's errors printed as ``<prog>: error: ...``; returns the exit status."""
     try:
-        return launch(argv, prog)
+        return launch(argv, prog, epilog, autotune)
     except (LaunchError, *_plan_errors()) as error:
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
         return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``shardwise`` command; returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[args[0]].run(args[1:])
-    return run_launch(args, "shardwise")
-
-
-def deepspeed_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for a ``deepspeed`` console script: the same launcher, named ``deepspeed`` in usage, help
-    and errors, with no subcommands (DeepSpeed's ``deepspeed report`` would run a script named ``report``)."""
-    return run_launch(list(sys.argv[1:] if argv is None else argv), "deepspeed")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m shardwise.launcher.cli`: a launch, without the subcommands
+    sys.exit(run_launch(sys.argv[1:], "shardwise"))

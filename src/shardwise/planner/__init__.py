@@ -2,10 +2,11 @@
 
 `shape.py` describes a model by its parameter counts (`ModelShape`) and the activations of one traced
 micro-batch (`ActivationProfile`); `plan.py` turns those, a config and a world size into a `MemoryPlan`;
-`measure.py` measures the real peak the plan is checked against; `cli.py` is `shardwise plan`, which plans one
-rank as `ranks.py` splits it (the way `initialize` does); `changes.py`
-names config changes as dotted-key overrides, and `oom.py` explains an out-of-memory error with the changes
-whose plans fit.
+`measure.py` measures the real peak the plan is checked against, and `probe.py` checks the plan against step 2
+of a run; `cli.py` is `shardwise plan`, which builds the model `models.py` names and plans one rank as
+`ranks.py` splits it (the way `initialize` does); `changes.py` names config changes as dotted-key overrides,
+`oom.py` explains an out-of-memory error with the changes whose plans fit, and `estimates.py` answers DeepSpeed's
+model-state estimators.
 """
 
 from .measure import AllocationMeter

@@ -1,4 +1,4 @@
-"""Mixed precision: the dtype policy and the loss scalers."""
+"""Mixed precision: the dtype policy, the loss scalers and `torch_autocast` (`autocast.py`)."""
 
 from .loss_scaler import DynamicLossScaler, LossScaler, NoLossScaler, StaticLossScaler, make_loss_scaler
 from .policy import PrecisionPolicy

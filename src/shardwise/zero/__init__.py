@@ -1,4 +1,5 @@
-"""ZeRO: the flat-buffer primitive, gradient buckets and the sharding strategies for stages 0-3."""
+"""ZeRO: the flat-buffer primitive, gradient buckets, the sharding strategies for stages 0-3 (the one that
+chooses is `factory.py`), ZeRO++'s quantized collectives and `shardwise estimate`."""
 
 from ..profiling.memory import estimate_model_states_memory, formula_bytes, measured_bytes
 from .on_device import OnDevice

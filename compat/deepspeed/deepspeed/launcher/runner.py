@@ -2,7 +2,7 @@
 
 import sys
 
-from shardwise.launcher.cli import deepspeed_main as main
+from shardwise.cli import deepspeed_main as main
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 
