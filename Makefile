@@ -23,7 +23,7 @@ DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test deepspeed-ops test-deepspeed gpu-install test-gpu clean finetune-demo docs
+.PHONY: install deepspeed-compat demo test test-deepspeed gpu-install test-gpu clean finetune-demo docs
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
@@ -76,12 +76,6 @@ $(DS_STAMP): $(STAMP)
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
 # Trainer-level comparisons from .venv, which run each script under both.
-# DeepSpeed compiles its CPU ops on first use (~1.5 minutes of both cores, in ~/.cache/torch_extensions; again
-# whenever .dsvenv's path changes): `make deepspeed-ops` builds them ahead, e.g. before timing the parity tests.
-deepspeed-ops: $(DS_STAMP)
-	DS_ACCELERATOR=cpu $(DS_VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
-		[get_accelerator().create_op_builder(op).load() for op in ('CPUAdamBuilder', 'FusedAdamBuilder', 'ShareMemCommBuilder')]"
-
 test-deepspeed: $(STAMP) $(DS_STAMP)
 	@# DeepSpeed builds its CPU ops on first use under torch's file lock; a build killed mid-way (Ctrl-C, a
 	@# timeout) leaves the lock behind and every later load waits on it forever. No build takes 10 minutes.

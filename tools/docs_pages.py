@@ -172,7 +172,7 @@ def render_benchmarks() -> str:
         for key, value in data.items():
             if key in NOT_SHOWN or not isinstance(value, (dict, list)) or not value:
                 continue
-            if isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value):
+            if is_scalar(value):
                 continue  # a long series (a loss curve): the plots show it
             if key in SETTINGS:
                 flat = [[k, v] for k, v in leaves(value).items()]
@@ -242,10 +242,7 @@ def render_troubleshooting() -> str:
             doc = ast.get_docstring(node)
             out += [doc if doc else "*(no docstring)*", ""]
         sites = raised.get(name, [])
-        texts: list[str] = []
-        for _, text in sites:
-            if text and text not in texts:
-                texts.append(text)
+        texts = list(dict.fromkeys(text for _, text in sites if text))  # each message once, in source order
         modules = sorted({m for m, _ in sites})
         if not sites:
             out += ["Not raised directly: a base class for the errors that name it.", ""]
@@ -272,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     stale = []
     for page, render in PAGES.items():
         text = render()
+        if page.exists() and page.read_text() == text:
+            continue
         if args.write:
-            if not page.exists() or page.read_text() != text:
-                page.write_text(text)
-        elif not page.exists() or page.read_text() != text:
+            page.write_text(text)
+        else:
             stale.append(page.relative_to(ROOT).as_posix())
     if stale:
         print(f"stale: {', '.join(stale)}; python tools/docs_pages.py --write", file=sys.stderr)

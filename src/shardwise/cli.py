@@ -12,6 +12,7 @@ This table sits above every package rather than in ``launcher/``: the tools it l
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Callable, NamedTuple, Sequence
 
@@ -27,80 +28,36 @@ class Subcommand(NamedTuple):
     run: Callable[[list[str]], int]
 
 
-def _autotune(argv: list[str]) -> int:
-    from .autotune.cli import main as autotune
+def _tool(module: str, **kwargs: str) -> Callable[[list[str]], int]:
+    """A subcommand implemented by ``<module>.main(argv, **kwargs)``, imported only when it runs (matplotlib, for
+    one, only when plotting)."""
 
-    return autotune(argv, prog="shardwise autotune")
+    def run(argv: list[str]) -> int:
+        return int(importlib.import_module(module).main(argv, **kwargs) or 0)
 
-
-def _checkpoint(argv: list[str]) -> int:
-    from .checkpoint.cli import main as checkpoint
-
-    return checkpoint(argv)
-
-
-def _config(argv: list[str]) -> int:
-    from .config.cli import main as config
-
-    return config(argv)
-
-
-def _estimate(argv: list[str]) -> int:
-    from .zero.estimate import main as estimate
-
-    return estimate(argv, prog="shardwise estimate")
-
-
-def _plan(argv: list[str]) -> int:
-    from .planner.cli import main as plan
-
-    return plan(argv, prog="shardwise plan")
-
-
-def _plot(argv: list[str]) -> int:
-    from .monitor.plot import main as plot  # matplotlib only when plotting
-
-    return plot(argv)
-
-
-def _report(argv: list[str]) -> int:
-    from .launcher.report import main as report
-
-    return report(argv)
-
-
-def _serve(argv: list[str]) -> int:
-    from .inference.serve.cli import main as serve
-
-    return serve(argv)
-
-
-def _check_comm(argv: list[str]) -> int:
-    from .launcher.check_comm import main as check_comm
-
-    return check_comm(argv)
-
-
-def _k8s(argv: list[str]) -> int:
-    from .launcher.k8s import main as k8s
-
-    return k8s(argv)
+    return run
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "autotune": Subcommand("find the fastest config that fits: ZeRO stage, micro-batch, offload (= --autotuning tune)",
-                           _autotune),
-    "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)", _checkpoint),
-    "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)", _config),
-    "estimate": Subcommand("model-state memory per rank at each ZeRO stage (--params 1.3e9 --num_gpus 8)", _estimate),
+                           _tool("shardwise.autotune.cli", prog="shardwise autotune")),
+    "checkpoint": Subcommand("inspect a checkpoint, or consolidate it to full weights (to-fp32)",
+                             _tool("shardwise.checkpoint.cli")),
+    "config": Subcommand("print the config's JSON schema for editors (shardwise config schema)",
+                         _tool("shardwise.config.cli")),
+    "estimate": Subcommand("model-state memory per rank at each ZeRO stage (--params 1.3e9 --num_gpus 8)",
+                           _tool("shardwise.zero.estimate", prog="shardwise estimate")),
     "plan": Subcommand("planned per-rank peak memory of a config, by parts (--model M --config ds.json --world N)",
-                       _plan),
-    "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG", _plot),
-    "report": Subcommand("versions, devices and which optional pieces work here", _report),
+                       _tool("shardwise.planner.cli", prog="shardwise plan")),
+    "plot": Subcommand("draw a run's CSV monitor curves (loss, lr, throughput, memory) to a PNG",
+                       _tool("shardwise.monitor.plot")),
+    "report": Subcommand("versions, devices and which optional pieces work here", _tool("shardwise.launcher.report")),
     "serve": Subcommand("an OpenAI-style completions endpoint for a Hugging Face model, split over --tp processes",
-                        _serve),
-    "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)", _check_comm),
-    "k8s": Subcommand("write a Kubeflow PyTorchJob (or Trainer v2 TrainJob) manifest for this training", _k8s),
+                        _tool("shardwise.inference.serve.cli")),
+    "check-comm": Subcommand("sanity-test and time collectives between the ranks (takes launcher options)",
+                             _tool("shardwise.launcher.check_comm")),
+    "k8s": Subcommand("write a Kubeflow PyTorchJob (or Trainer v2 TrainJob) manifest for this training",
+                      _tool("shardwise.launcher.k8s")),
 }
 
 

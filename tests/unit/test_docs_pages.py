@@ -112,7 +112,7 @@ def test_the_api_reference_documents_the_public_surface() -> None:
     assert not missing, f"public names with no `::: module.name` entry under docs/reference/api/: {missing}"
 
 
-def test_the_site_build_fails_on_a_broken_link() -> None:
+def test_the_site_config_keeps_every_link_check_strict() -> None:
     """`mkdocs build --strict` fails on warnings only: every link check must stay a warning, not an info line."""
     import yaml
 
