@@ -34,6 +34,8 @@ from .runtime.engine import Engine
 from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
 from .sparse_attention.apply import apply_sparse_attention
+from .sequence_parallel.data import SequenceShardLoader
+from .sequence_parallel.setup import AttentionWitness, is_sequence_mpu, sequence_parallel_size, setup_sequence_parallel
 from .tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
@@ -68,8 +70,11 @@ def initialize(
     ensure_console_handler()
     pipe = model.num_stages if isinstance(model, PipelineModule) else 1
     raw = load_raw(raw)
+    sequence = sequence_parallel_size(raw, mpu)
+    if is_sequence_mpu(mpu):
+        mpu = None  # its "model-parallel" getters are the sequence ones, not tensor parallelism
     tensor = tensor_parallel_size(raw, model, mpu)
-    cfg = parse_config(raw, dp_size=data_parallel_size(dist.get_world_size(), pipe, tensor))
+    cfg = parse_config(raw, dp_size=_replicas(data_parallel_size(dist.get_world_size(), pipe, tensor), sequence))
     _check_pipeline(cfg, model)
     apply_sparse_attention(model, cfg.sparse_attention)
     groups = _param_groups(optimizer, model_parameters, model)
@@ -92,6 +97,7 @@ def initialize(
     topology = Topology(device.type, pipe=pipe, tensor=tensor)
     record_groups(topology)  # for deepspeed.utils.groups' argument-less getters
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
+    sequence_link = setup_sequence_parallel(model, sequence, pipe, tensor, comm)
     split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology, device)
     if split is not None:
         groups = split.remap(groups)
@@ -113,13 +119,25 @@ def initialize(
     engine.random_ltd_scheduler = random_ltd
     engine.client_optimizer = optimizer  # optimizer_name() reports it, as DeepSpeed's does
     engine.param_group_names = group_names  # each optimizer group's parameters by name: checkpoint export needs them
+    if sequence_link is not None:
+        engine.sequence_witness = AttentionWitness(sequence_link)
     loader = None
     if training_data is not None:
         # a curriculum loader under data_efficiency's data-sampling curriculum; DeepSpeed's pipeline reads in order
         loader = build_training_loader(cfg, topology, training_data, collate_fn,
                                        shuffle=not isinstance(model, PipelineModule))
+        if sequence_link is not None:
+            loader = SequenceShardLoader(loader, sequence_link, device)
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
+
+
+def _replicas(data: int, sequence: int) -> int:
+    """Model replicas that each take a batch: the data-parallel ranks less the sequence split."""
+    if data % sequence:
+        raise ConfigError([f"sequence_parallel_size: {sequence} must divide the data-parallel size ({data}); choose a "
+                           "divisor of the number of processes (less pipeline and tensor parallelism)."])
+    return data // sequence
 
 
 def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:

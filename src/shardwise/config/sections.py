@@ -229,6 +229,9 @@ class Config(Section, RawConfigView):
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     communication_data_type: Dtype | None = None
     dataloader_drop_last: bool = False
+    sequence_parallel_size: int | None = Field(
+        None, ge=1, description="Ulysses sequence parallelism: this many consecutive ranks share each sequence "
+        "(null: 1)")
     seed: int | None = None
     collective_timeout_s: float = Field(
         1800.0, gt=0.0, description="a collective not done after this long is an error naming rank, op and group"

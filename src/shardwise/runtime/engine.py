@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from ..precision import PrecisionPolicy
 from ..precision.autocast import forward_autocast
 from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
+from ..profiling.noop import NOTHING
 from ..profiling.throughput import ThroughputTimer
 from ..protocols import ShardingStrategy
 from ..tensor_parallel import TensorParallelModel, TensorShard
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 
 class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch.nn.Module):
+    sequence_witness: Callable[[bool], ContextManager[None]] = staticmethod(lambda training: NOTHING)
+    """Under sequence parallelism, the check that attention went through Ulysses (sequence_parallel/setup.py)."""
+
     def __init__(
         self,
         config: Config,
@@ -135,7 +139,7 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         if self.random_ltd_scheduler is not None and self.module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps, self.window_micro_steps)
         with self.out_of_memory.explained("forward"), self.instruments.forward(self.module, self.global_steps), \
-                self._autocast():
+                self._autocast(), self.sequence_witness(self.module.training):
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as e:

@@ -1,0 +1,73 @@
+"""How `initialize` decides the sequence-parallel size and switches the model to Ulysses attention.
+
+The size comes from the config's `sequence_parallel_size` or from an mpu that has sequence-parallel groups
+(DeepSpeed's `parallel_state_sp`, which accelerate passes); those given must agree. The sequence ranks sit inside
+the data-parallel group: gradients are averaged, and ZeRO partitions, over all of them, while the batch is
+counted per sequence group (`train_batch_size` = micro × accumulation × world / size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+from torch import nn
+
+from ..config import ConfigError
+from ..distributed import Collectives
+from ..profiling.noop import NOTHING
+from .hf import attention_implementation, is_registered, register_with_transformers
+from .link import SequenceLink, SequenceParallelError, sequence_link
+
+
+def is_sequence_mpu(mpu: Any) -> bool:
+    """An mpu of sequence-parallel groups (its "model-parallel" getters are aliases of the sequence ones)."""
+    return mpu is not None and hasattr(mpu, "get_sequence_parallel_world_size")
+
+
+def sequence_parallel_size(raw: dict[str, Any], mpu: Any) -> int:
+    sources = {"sequence_parallel_size": raw.get("sequence_parallel_size", 1)}
+    if is_sequence_mpu(mpu):
+        sources["the mpu's get_sequence_parallel_world_size()"] = int(mpu.get_sequence_parallel_world_size())
+    sizes = {k: v for k, v in sources.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    if len(set(sizes.values())) > 1:
+        raise ConfigError([f"sequence_parallel_size: the sequence-parallel sizes given differ ({sizes}); give one size."])
+    return next(iter(sizes.values()), 1)
+
+
+def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int,
+                            comm: Collectives) -> SequenceLink | None:
+    """The link (its traffic through `comm`), with a transformers model's attention switched; None for size 1."""
+    if size == 1:
+        return None
+    for name, other in (("pipeline stages", pipe), ("tensor_parallel.autotp_size", tensor)):
+        if other > 1:
+            raise ConfigError([f"sequence_parallel_size: sequence parallelism with {name} > 1 is not supported yet; "
+                               f"got {size} with {other}. Use sequence parallelism with data parallelism and ZeRO."])
+    link = sequence_link(size, comm)
+    if hasattr(getattr(model, "config", None), "_attn_implementation"):  # a transformers model (or PEFT's wrapper)
+        if not is_registered(attention_implementation(model)):
+            register_with_transformers(model, link)
+    return link
+
+
+class AttentionWitness:
+    """Refuses a training forward in which no attention went through Ulysses: each rank would then attend over
+    its own slice only and train on a wrong loss without a word. Checked until it has seen one."""
+
+    def __init__(self, link: SequenceLink):
+        self.link, self.seen = link, False
+
+    def __call__(self, training: bool) -> ContextManager[None]:
+        return NOTHING if self.seen or not training else self._watch()
+
+    @contextlib.contextmanager
+    def _watch(self) -> Iterator[None]:
+        before = self.link.exchanges
+        yield
+        if self.link.exchanges == before:
+            raise SequenceParallelError(
+                f"sequence_parallel_size: {self.link.size}, but no attention of the model went through Ulysses in "
+                "this forward, so each rank attended over its own slice only. Use a transformers model (its attention "
+                "is switched at initialize), or call shardwise.sequence_parallel.UlyssesAttention in your attention.")
+        self.seen = True
