@@ -120,6 +120,7 @@ def run_case(sp: int, stage: int = 0, lora: bool = False, checkpointing: bool = 
     state = full_state_dict(engine)
     trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     return {"losses": losses, "norms": norms, "group": rank // sp, "exchanges": link.exchanges if link else 0,
+            "counted_all_to_alls": engine.comm.stats.calls("all_to_all", "sequence"),
             "params": {n: v.float() for n, v in state.items() if n in trained}}
 
 

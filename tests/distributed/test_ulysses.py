@@ -19,6 +19,8 @@ def test_ulysses_matches_the_full_sequence(sp, world, stage):
     want = um.oracle(sp, world)
     for got in run_distributed(um.run_case, world, sp, stage):
         assert got["exchanges"] > 0
+        # 3 exchanges in, 1 out per layer and forward, the same back: all in the engine's comms log
+        assert got["counted_all_to_alls"] == got["exchanges"] * 8, got
         um.assert_matches(got, want, label=f"sp={sp} world={world} stage={stage}")
 
 
