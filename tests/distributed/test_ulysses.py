@@ -71,3 +71,32 @@ def test_ulysses_in_bf16_follows_the_fp32_run_within_bf16_resolution():
     for got in run_distributed(um.run_case, 2, 2, 2, bf16={"enabled": True}):
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             assert abs(a - b[0]) <= 2e-2 * abs(b[0]), f"bf16 step {step}: loss {a} vs fp32 oracle {b[0]}"
+
+
+def _loader_from_initialize() -> dict:
+    import torch
+
+    import shardwise
+
+    samples = [um.sample(i) for i in range(6)]
+
+    def collate(batch):
+        return {k: torch.cat([b[k] for b in batch]) for k in batch[0]}
+
+    engine, _, loader, _ = shardwise.initialize(model=um.build(), config=um.config(2, 0), training_data=samples,
+                                                collate_fn=collate)
+    first = next(iter(loader))
+    return {"length": len(loader), "ids": first["input_ids"], "labels": first["shift_labels"]}
+
+
+def test_the_loader_initialize_returns_cuts_each_batch_along_the_sequence():
+    """One sample per rank and batch: rank 0's first batch is sample s, cut in two over the ranks."""
+    import torch
+
+    results = run_distributed(_loader_from_initialize, 2)
+    assert [r["length"] for r in results] == [6, 6]  # 3 batches per rank, each worked through in 2 iterations
+    ids = torch.cat([r["ids"] for r in results], dim=1)
+    matches = [i for i in range(6) if torch.equal(um.sample(i)["input_ids"], ids)]
+    assert len(matches) == 1, "the two slices must be one sample's halves"
+    whole = um.sample(matches[0])["labels"]
+    torch.testing.assert_close(torch.cat([r["labels"] for r in results], dim=1)[:, :-1], whole[:, 1:])
