@@ -79,25 +79,28 @@ def oracle(sp: int, world: int, lora: bool = False, steps: int = STEPS, plan: li
             "params": {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}}
 
 
-def config(sp: int, stage: int, **extra: Any) -> dict[str, Any]:
+def config(sp: int, stage: int, tp: int = 1, **extra: Any) -> dict[str, Any]:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
             "gradient_clipping": CLIP, "steps_per_print": 1000, "zero_optimization": {**zero, **extra.pop("zero", {})},
-            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, **extra}
+            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+            **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}), **extra}
 
 
 def run_case(sp: int, stage: int = 0, lora: bool = False, checkpointing: bool = False, steps: int = STEPS,
-             save: str | None = None, load: str | None = None, **extra: Any) -> dict[str, Any]:
-    """On each rank: build, initialize with `sequence_parallel_size` sp, train on the adapter's slices."""
+             save: str | None = None, load: str | None = None, tp: int = 1, **extra: Any) -> dict[str, Any]:
+    """On each rank: build, initialize with `sequence_parallel_size` sp (beside `tp` tensor-parallel ranks, which
+    read the same data), train on the adapter's slices."""
     import shardwise
     from shardwise.sequence_parallel import SequenceShardLoader, combine_loss, recorded_link
     from tests.parity import full_state_dict
+    from tests.tensor_parallel_models import whole_params
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(os.environ["RANK"]) // tp, int(os.environ["WORLD_SIZE"]) // tp  # data ranks
     model = build(lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = shardwise.initialize(model=model, config=config(sp, stage, **extra))
+    engine, *_ = shardwise.initialize(model=model, config=config(sp, stage, tp, **extra))
     if load is not None:
         engine.load_checkpoint(load)
     link = recorded_link() if sp > 1 else None
@@ -117,7 +120,7 @@ def run_case(sp: int, stage: int = 0, lora: bool = False, checkpointing: bool = 
         norms.append(float(engine.get_global_grad_norm()))
     if save is not None:
         engine.save_checkpoint(save)
-    state = full_state_dict(engine)
+    state = whole_params(engine) if tp > 1 else full_state_dict(engine)
     trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     return {"losses": losses, "norms": norms, "group": rank // sp, "exchanges": link.exchanges if link else 0,
             "counted_all_to_alls": engine.comm.stats.calls("all_to_all", "sequence"),

@@ -97,7 +97,7 @@ def initialize(
     topology = Topology(device.type, pipe=pipe, tensor=tensor)
     record_groups(topology)  # for deepspeed.utils.groups' argument-less getters
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
-    sequence_link = setup_sequence_parallel(model, sequence, pipe, tensor, comm)
+    sequence_link = setup_sequence_parallel(model, sequence, pipe, tensor, comm, cfg.tensor_parallel.sequence_parallel)
     split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology, device)
     if split is not None:
         groups = split.remap(groups)

@@ -24,6 +24,14 @@ def test_ulysses_matches_the_full_sequence(sp, world, stage):
         um.assert_matches(got, want, label=f"sp={sp} world={world} stage={stage}")
 
 
+def test_ulysses_beside_tensor_parallelism():
+    """tp 2 x sp 2: each tensor rank's 2 query heads and 1 kv head are split again over its sequence peers."""
+    want = um.oracle(2, 2)
+    for got in run_distributed(um.run_case, 4, 2, 1, tp=2):
+        assert got["counted_all_to_alls"] > 0
+        um.assert_matches(got, want, label="tp 2 x sp 2")
+
+
 def test_ulysses_with_lora_zero3_offload_and_checkpointing():
     want = um.oracle(2, 2, lora=True)
     for got in run_distributed(um.run_case, 2, 2, 3, lora=True, checkpointing=True,

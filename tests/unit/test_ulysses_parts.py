@@ -85,10 +85,11 @@ def test_sizes_from_the_config_and_the_mpu_must_agree():
         sequence_parallel_size({"sequence_parallel_size": 2}, Mpu())
 
 
-@pytest.mark.parametrize("pipe, tensor", [(2, 1), (1, 2)])
-def test_sequence_parallelism_beside_pipeline_or_tensor_splits_is_refused(pipe, tensor):
-    with pytest.raises(ConfigError, match="not supported yet"):
-        setup_sequence_parallel(um.build(), 2, pipe, tensor, Collectives())
+def test_sequence_parallelism_beside_a_pipeline_or_megatron_sequence_split_is_refused():
+    with pytest.raises(ConfigError, match="with pipeline parallelism is not supported yet"):
+        setup_sequence_parallel(um.build(), 2, 2, 1, Collectives())
+    with pytest.raises(ConfigError, match="both cut the sequence"):
+        setup_sequence_parallel(um.build(), 2, 1, 2, Collectives(), tensor_sequence_parallel=True)
 
 
 def test_models_whose_attention_needs_its_mask_are_refused():

@@ -41,9 +41,10 @@ def attention_implementation(model: nn.Module) -> str:
 
 
 def register_with_transformers(model: Any, link: SequenceLink, core_attn_implementation: str | None = None,
-                               disable_in_eval: bool = False) -> str:
+                               disable_in_eval: bool = False, tensor: int = 1) -> str:
     """Route the attention of `model` (a transformers model, or only its config) and of every model on the same
-    implementation through Ulysses over `link`; returns the implementation's name."""
+    implementation through Ulysses over `link`; returns the implementation's name. `tensor`: the tensor-parallel
+    size, which has already divided the heads each rank sees."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = text_config(model)
@@ -60,8 +61,9 @@ def register_with_transformers(model: Any, link: SequenceLink, core_attn_impleme
             "load the model with attn_implementation=\"sdpa\" (or a flash-attention variant).")
     if name not in _originals and name not in ALL_ATTENTION_FUNCTIONS:
         raise SequenceParallelError(f"attn_implementation: {name!r} is not in transformers' attention registry.")
-    kv_replication(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                   or config.num_attention_heads, link.size)  # refuse head counts now, not at the first forward
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    # refuse head counts now, not at the first forward (tensor parallelism refuses what it cannot split itself)
+    kv_replication(config.num_attention_heads // tensor, max(kv_heads // tensor, 1), link.size)
     core = _originals.setdefault(name, ALL_ATTENTION_FUNCTIONS[name])
     ALL_ATTENTION_FUNCTIONS[name] = UlyssesAttention(core, link, disable_in_eval)
     return name

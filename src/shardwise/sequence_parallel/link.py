@@ -57,12 +57,14 @@ _recorded: list[tuple[object, SequenceLink]] = []
 """(the world group it was built in, the link): see [Note: one link per process]."""
 
 
-def sequence_link(size: int, comm: Collectives | None = None) -> SequenceLink:
+def sequence_link(size: int, comm: Collectives | None = None, stride: int = 1) -> SequenceLink:
     """This process's sequence-parallel link of `size` ranks, built on first call (a collective over the world:
-    every rank calls at the same point); a later call with another size is refused."""
+    every rank calls at the same point); a later call with another layout is refused. `stride`: the distance
+    between a group's ranks (the tensor-parallel size: tensor ranks are adjacent, so the sequence ranks that share
+    a tensor coordinate are `stride` apart)."""
     current = recorded_link()
     if current is not None:
-        if current.size != size:
+        if current.size != size or _stride(current) != stride:
             raise SequenceParallelError(
                 f"sequence_parallel_size: the sequence-parallel groups were built for {current.size} ranks; got "
                 f"{size}. Use one sequence-parallel size per process (the config's sequence_parallel_size, the "
@@ -74,13 +76,21 @@ def sequence_link(size: int, comm: Collectives | None = None) -> SequenceLink:
         raise SequenceParallelError("sequence parallelism: torch.distributed is not initialised; call "
                                     "shardwise.init_distributed() (deepspeed.init_distributed()) first.")
     world = dist.get_world_size()
-    if size < 1 or world % size:
-        raise SequenceParallelError(f"sequence_parallel_size: must divide the world size ({world}); got {size}. "
-                                    "Choose a divisor of the number of processes.")
-    pg, _ = dist.new_subgroups_by_enumeration([list(range(start, start + size)) for start in range(0, world, size)])
-    link = SequenceLink(Group("sequence", pg, size, dist.get_rank() % size), comm or Collectives())
+    if size < 1 or world % (size * stride):
+        raise SequenceParallelError(f"sequence_parallel_size: {size} x {stride} tensor-parallel ranks must divide the "
+                                    f"world size ({world}); choose a divisor of the number of processes.")
+    blocks = [[base + i * stride for i in range(size)]
+              for start in range(0, world, size * stride) for base in range(start, start + stride)]
+    pg, _ = dist.new_subgroups_by_enumeration(blocks)
+    mine = next(b for b in blocks if dist.get_rank() in b)
+    link = SequenceLink(Group("sequence", pg, size, mine.index(dist.get_rank())), comm or Collectives())
     _recorded[:] = [(dist.group.WORLD, link)]
     return link
+
+
+def _stride(link: SequenceLink) -> int:
+    ranks = dist.get_process_group_ranks(link.group.pg)
+    return ranks[1] - ranks[0] if len(ranks) > 1 else 1
 
 
 def recorded_link() -> SequenceLink | None:

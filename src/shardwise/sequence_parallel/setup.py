@@ -35,19 +35,23 @@ def sequence_parallel_size(raw: dict[str, Any], mpu: Any) -> int:
     return next(iter(sizes.values()), 1)
 
 
-def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int,
-                            comm: Collectives) -> SequenceLink | None:
-    """The link (its traffic through `comm`), with a transformers model's attention switched; None for size 1."""
+def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int, comm: Collectives,
+                            tensor_sequence_parallel: bool = False) -> SequenceLink | None:
+    """The link (its traffic through `comm`), with a transformers model's attention switched; None for size 1.
+    Beside tensor parallelism, each tensor rank's heads (already 1/tensor of them) are split again over the
+    sequence ranks that share its tensor coordinate."""
     if size == 1:
         return None
-    for name, other in (("pipeline stages", pipe), ("tensor_parallel.autotp_size", tensor)):
-        if other > 1:
-            raise ConfigError([f"sequence_parallel_size: sequence parallelism with {name} > 1 is not supported yet; "
-                               f"got {size} with {other}. Use sequence parallelism with data parallelism and ZeRO."])
-    link = sequence_link(size, comm)
+    if pipe > 1:
+        raise ConfigError([f"sequence_parallel_size: sequence parallelism with pipeline parallelism is not supported "
+                           f"yet; got {size} with {pipe} stages. Use it with data and tensor parallelism and ZeRO."])
+    if tensor_sequence_parallel:
+        raise ConfigError([f"sequence_parallel_size: Ulysses ({size}) and tensor_parallel.sequence_parallel (Megatron's "
+                           "split of norms and residuals over the tensor ranks) both cut the sequence; choose one."])
+    link = sequence_link(size, comm, stride=tensor)
     if hasattr(getattr(model, "config", None), "_attn_implementation"):  # a transformers model (or PEFT's wrapper)
         if not is_registered(attention_implementation(model)):
-            register_with_transformers(model, link)
+            register_with_transformers(model, link, tensor=tensor)
     return link
 
 
