@@ -86,6 +86,7 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 		tests/distributed/test_deepspeed_parity_bf16_masters.py tests/distributed/test_deepspeed_checkpoint_migration.py \
 		tests/distributed/test_deepspeed_checkpoint_export.py tests/distributed/test_deepspeed_checkpoint_pipeline.py \
 		tests/unit/test_deepspeed_parity_optim.py tests/unit/test_deepspeed_parity_curriculum.py \
+		tests/unit/test_deepspeed_parity_sequence_tiling.py \
 		tests/unit/test_config_keys.py::test_catalogue_matches_the_installed_deepspeed
 	SHARDWISE_DEEPSPEED_PYTHON=$(DS_VENV)/bin/python $(BIN)/python -m pytest -q -rs $(XDIST) -m deepspeed_parity tests/compat
 

@@ -35,7 +35,8 @@ from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
 from .sparse_attention.apply import apply_sparse_attention
 from .sequence_parallel.data import SequenceShardLoader
-from .sequence_parallel.setup import AttentionWitness, is_sequence_mpu, sequence_parallel_size, setup_sequence_parallel
+from .sequence_parallel.setup import (AttentionWitness, check_companions, is_sequence_mpu, sequence_parallel_size,
+                                      setup_sequence_parallel)
 from .tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
@@ -76,6 +77,7 @@ def initialize(
     tensor = tensor_parallel_size(raw, model, mpu)
     cfg = parse_config(raw, dp_size=_replicas(data_parallel_size(dist.get_world_size(), pipe, tensor), sequence))
     _check_pipeline(cfg, model)
+    check_companions(cfg, sequence)
     apply_sparse_attention(model, cfg.sparse_attention)
     groups = _param_groups(optimizer, model_parameters, model)
     if _forward_only(optimizer, lr_scheduler, cfg, model):
@@ -97,7 +99,7 @@ def initialize(
     topology = Topology(device.type, pipe=pipe, tensor=tensor)
     record_groups(topology)  # for deepspeed.utils.groups' argument-less getters
     comm = Collectives(cfg.collective_timeout_s, warn_after_s=cfg.collective_warn_after_s)
-    sequence_link = setup_sequence_parallel(model, sequence, pipe, tensor, comm, cfg.tensor_parallel.sequence_parallel)
+    sequence_link = setup_sequence_parallel(model, sequence, pipe, tensor, comm)
     split = split_model(model, cfg.tensor_parallel, mpu, TensorLink(comm, topology.tensor), topology, device)
     if split is not None:
         groups = split.remap(groups)

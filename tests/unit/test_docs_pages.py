@@ -98,6 +98,7 @@ SURFACE = {
     "shardwise.config": ["parse_config", "config_json_schema", "Config", "ConfigError"],
     "shardwise.profiling": ["get_model_profile", "FlopsProfiler", "CommsLogger", "memory_breakdown"],
     "shardwise.accelerator": ["get_accelerator"],
+    "shardwise.sequence_parallel": _static_all("shardwise.sequence_parallel"),
     "shardwise.tensor_parallel": ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
                                   "tp_model_init"],
 }

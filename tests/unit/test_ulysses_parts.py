@@ -85,11 +85,29 @@ def test_sizes_from_the_config_and_the_mpu_must_agree():
         sequence_parallel_size({"sequence_parallel_size": 2}, Mpu())
 
 
-def test_sequence_parallelism_beside_a_pipeline_or_megatron_sequence_split_is_refused():
+def test_sequence_parallelism_beside_a_pipeline_is_refused():
     with pytest.raises(ConfigError, match="with pipeline parallelism is not supported yet"):
         setup_sequence_parallel(um.build(), 2, 2, 1, Collectives())
-    with pytest.raises(ConfigError, match="both cut the sequence"):
-        setup_sequence_parallel(um.build(), 2, 1, 2, Collectives(), tensor_sequence_parallel=True)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}, "tensor_parallel.sequence_parallel"),
+    ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+        "enabled": True, "random_ltd_layer_num": 1, "random_ltd_layer_id": [0], "model_type": "decoder", "total_layer_num": 2,
+        "random_ltd_schedule": {"min_value": 8, "max_value": 16, "schedule_type": "fixed_linear",
+                                "schedule_config": {"require_steps": 10, "seq_per_step": 8}}}}}}, "random_ltd"),
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 16,
+                              "schedule_type": "fixed_linear",
+                              "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}}, "curriculum"),
+])
+def test_what_would_treat_a_slice_as_the_whole_sequence_is_refused(extra, named):
+    from shardwise.config import parse_config
+    from shardwise.sequence_parallel.setup import check_companions
+
+    config = parse_config({**um.config(2, 0), **extra}, dp_size=1)
+    with pytest.raises(ConfigError, match=named):
+        check_companions(config, 2)
+    check_companions(config, 1)
 
 
 def test_models_whose_attention_needs_its_mask_are_refused():

@@ -9,7 +9,11 @@ from .data import SequenceShardLoader
 from .hf import register_with_transformers, unregister_from_transformers
 from .link import SequenceLink, SequenceParallelError, recorded_link, sequence_link
 from .loss import combine_loss
+from .offload import offload_checkpoints, offloaded_checkpoint
+from .tiled import tile_forward, tiled_mlp
+from .tiled_loss import tiled_cross_entropy
 
 __all__ = ["SequenceLink", "SequenceParallelError", "SequenceShardLoader", "UlyssesAttention", "combine_loss",
-           "kv_replication", "recorded_link", "register_with_transformers", "sequence_link",
+           "kv_replication", "offload_checkpoints", "offloaded_checkpoint", "recorded_link",
+           "register_with_transformers", "sequence_link", "tile_forward", "tiled_cross_entropy", "tiled_mlp",
            "unregister_from_transformers"]

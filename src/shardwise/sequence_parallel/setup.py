@@ -35,8 +35,24 @@ def sequence_parallel_size(raw: dict[str, Any], mpu: Any) -> int:
     return next(iter(sizes.values()), 1)
 
 
-def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int, comm: Collectives,
-                            tensor_sequence_parallel: bool = False) -> SequenceLink | None:
+def check_companions(config: Any, size: int) -> None:
+    """Refuse what cuts or reshapes the sequence on each rank as if it held the whole of it."""
+    if size == 1:
+        return
+    clashes = {
+        "data_efficiency.data_routing.random_ltd": config.data_efficiency.random_ltd is not None,
+        "curriculum_learning (its seqlen cut)": config.curriculum_learning is not None,
+        "sparse_attention": config.sparse_attention is not None,
+        "tensor_parallel.sequence_parallel (Megatron's split of norms and residuals)":
+            config.tensor_parallel.sequence_parallel,
+    }
+    named = [name for name, on in clashes.items() if on]
+    if named:
+        raise ConfigError([f"sequence_parallel_size: Ulysses ({size}) gives each rank a slice of the sequence, which "
+                           f"{', '.join(named)} would treat as the whole sequence; turn one of them off."])
+
+
+def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int, comm: Collectives) -> SequenceLink | None:
     """The link (its traffic through `comm`), with a transformers model's attention switched; None for size 1.
     Beside tensor parallelism, each tensor rank's heads (already 1/tensor of them) are split again over the
     sequence ranks that share its tensor coordinate."""
@@ -45,9 +61,6 @@ def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int,
     if pipe > 1:
         raise ConfigError([f"sequence_parallel_size: sequence parallelism with pipeline parallelism is not supported "
                            f"yet; got {size} with {pipe} stages. Use it with data and tensor parallelism and ZeRO."])
-    if tensor_sequence_parallel:
-        raise ConfigError([f"sequence_parallel_size: Ulysses ({size}) and tensor_parallel.sequence_parallel (Megatron's "
-                           "split of norms and residuals over the tensor ranks) both cut the sequence; choose one."])
     link = sequence_link(size, comm, stride=tensor)
     if hasattr(getattr(model, "config", None), "_attn_implementation"):  # a transformers model (or PEFT's wrapper)
         if not is_registered(attention_implementation(model)):

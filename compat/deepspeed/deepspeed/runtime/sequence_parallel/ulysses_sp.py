@@ -2,5 +2,8 @@
 adapter, and ALST's tiled computations (shardwise.sequence_parallel)."""
 
 from shardwise.sequence_parallel.deepspeed_api import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+from shardwise.sequence_parallel.tiled import SequenceTiledCompute, TiledMLP, sequence_tiled_compute
+from shardwise.sequence_parallel.tiled_loss import TiledFusedLogitsLoss
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
+           "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute"]
