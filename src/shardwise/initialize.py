@@ -35,8 +35,8 @@ from .runtime.pipe_engine import PipelineEngine
 from .runtime.rank_fingerprint import check_ranks_agree
 from .sparse_attention.apply import apply_sparse_attention
 from .sequence_parallel.data import SequenceShardLoader
-from .sequence_parallel.setup import (AttentionWitness, check_companions, is_sequence_mpu, sequence_parallel_size,
-                                      setup_sequence_parallel)
+from .sequence_parallel.setup import (AttentionWitness, check_companions, is_sequence_mpu, replicas,
+                                      sequence_parallel_size, setup_sequence_parallel)
 from .tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from .tensor_parallel import TensorLink
 from .zero.factory import make_strategy
@@ -75,7 +75,7 @@ def initialize(
     if is_sequence_mpu(mpu):
         mpu = None  # its "model-parallel" getters are the sequence ones, not tensor parallelism
     tensor = tensor_parallel_size(raw, model, mpu)
-    cfg = parse_config(raw, dp_size=_replicas(data_parallel_size(dist.get_world_size(), pipe, tensor), sequence))
+    cfg = parse_config(raw, dp_size=replicas(data_parallel_size(dist.get_world_size(), pipe, tensor), sequence))
     _check_pipeline(cfg, model)
     check_companions(cfg, sequence)
     apply_sparse_attention(model, cfg.sparse_attention)
@@ -132,14 +132,6 @@ def initialize(
             loader = SequenceShardLoader(loader, sequence_link, device)
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, scheduler
-
-
-def _replicas(data: int, sequence: int) -> int:
-    """Model replicas that each take a batch: the data-parallel ranks less the sequence split."""
-    if data % sequence:
-        raise ConfigError([f"sequence_parallel_size: {sequence} must divide the data-parallel size ({data}); choose a "
-                           "divisor of the number of processes (less pipeline and tensor parallelism)."])
-    return data // sequence
 
 
 def _data_splits(cfg: Config, topology: Topology) -> dict[str, Any]:

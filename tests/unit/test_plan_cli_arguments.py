@@ -55,8 +55,8 @@ def _plan(tmp_path: Path, capsys: pytest.CaptureFixture[str], world: int, **extr
 def test_tensor_parallel_is_planned_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     whole = _plan(tmp_path, capsys, 2)
     split = _plan(tmp_path, capsys, 2, tensor_parallel={"autotp_size": 2})
-    assert split["ranks"] == {"world": 2, "tensor": 2, "pipe": 1, "data": 1}
-    assert whole["ranks"] == {"world": 2, "tensor": 1, "pipe": 1, "data": 2}
+    assert split["ranks"] == {"world": 2, "tensor": 2, "pipe": 1, "data": 1, "sequence": 1}
+    assert whole["ranks"] == {"world": 2, "tensor": 1, "pipe": 1, "data": 2, "sequence": 1}
     # every projection, the embedding and the LM head are split; only the norms stay whole
     assert split["model"]["trainable"] < 0.55 * whole["model"]["trainable"]
     assert split["parts"]["parameters"]["device"] < 0.55 * whole["parts"]["parameters"]["device"]
@@ -69,3 +69,17 @@ def test_a_world_the_tensor_parallel_size_does_not_divide_is_refused(tmp_path: P
     assert main(["--model", TINY, "--config", _config(tmp_path, tensor_parallel={"autotp_size": 2}), "--world", "3",
                  "--seq_len", "8"]) == 2
     assert "does not divide the world size (3)" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_is_planned_on_a_rank_s_slice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """At sequence_parallel_size 2 over 2 processes: one sample per step (train_batch_size counts sequence groups),
+    each rank tracing half of the 64 tokens, ZeRO partitioning over both ranks."""
+    whole = _plan(tmp_path, capsys, 2, zero_optimization={"stage": 2})
+    cut = _plan(tmp_path, capsys, 2, zero_optimization={"stage": 2}, sequence_parallel_size=2, train_batch_size=2)
+    assert cut["ranks"] == {"world": 2, "tensor": 1, "pipe": 1, "data": 2, "sequence": 2}
+    assert cut["activations"]["seq_len"] == 32 and whole["activations"]["seq_len"] == 64
+    assert cut["activations"]["saved_bytes"] < 0.6 * whole["activations"]["saved_bytes"]
+    assert cut["parts"]["optimizer_state"]["device"] == whole["parts"]["optimizer_state"]["device"]
+    assert main(["--model", TINY, "--config", _config(tmp_path, sequence_parallel_size=2), "--world", "2",
+                 "--seq_len", "63"]) == 2
+    assert "cannot be cut into 2 equal slices" in capsys.readouterr().err

@@ -43,12 +43,15 @@ def main(argv: list[str] | None = None, prog: str = "shardwise plan") -> int:
         print(json.dumps({**memory.to_json(), "model": shape.to_json() | {"module_sizes": len(shape.module_sizes)},
                           "activations": activations.to_json(),
                           "ranks": {"world": ranks.world, "tensor": ranks.tensor, "pipe": ranks.pipe,
-                                    "data": ranks.data}}, indent=2))
+                                    "data": ranks.data, "sequence": ranks.sequence}}, indent=2))
         return 0
     print(memory.table())
     if ranks.tensor > 1:
         print(f"Split over {ranks.tensor} tensor-parallel ranks as initialize splits it; {ranks.data} data-parallel "
               f"rank(s) of the {ranks.world} processes. Figures are tensor-parallel rank 0's.")
+    if ranks.sequence > 1:
+        print(f"Each sequence cut over {ranks.sequence} ranks (sequence_parallel_size): activations are a rank's "
+              f"slice of {activations.seq_len} tokens; ZeRO partitions over all {ranks.data} data-parallel ranks.")
     print(f"{shape.trainable / 1e6:.1f}M trainable, {shape.frozen / 1e6:.1f}M frozen parameters; activations "
           f"{binary_bytes(activations.saved_bytes)} per sample at {activations.seq_len} tokens, {how}.")
     return 0

@@ -96,6 +96,11 @@ def profile(spec: str, kwargs: dict[str, Any], seq_len: int | None,
     seq = seq_len if seq_len is not None else default_seq_len(model)
     if seq is None:
         raise ValueError("--seq_len: required; the model's config names no maximum length.")
+    sequence = ranks.sequence if ranks is not None else 1
+    if seq % sequence:
+        raise ValueError(f"--seq_len: {seq} tokens cannot be cut into {sequence} equal slices "
+                         f"(sequence_parallel_size); give a multiple of {sequence}.")
+    seq //= sequence  # a rank's slice: Ulysses keeps 1/sequence of the tokens everywhere but inside attention
     device = next(model.parameters()).device
     tokens = torch.zeros(1, seq, dtype=torch.long, device=device)
     if hasattr(model, "config") and hasattr(model, "generation_config"):  # a transformers model

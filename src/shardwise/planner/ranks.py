@@ -22,6 +22,7 @@ from ..config import Config
 from ..config.parse import parse_config
 from ..distributed.topology import Group
 from ..pipeline.module import PipelineModule
+from ..sequence_parallel.setup import replicas, sequence_parallel_size
 from ..tensor_parallel.setup import data_parallel_size, split_model, tensor_parallel_size
 from ..tensor_parallel import TensorLink
 
@@ -34,6 +35,8 @@ class RankLayout:
     data: int
     config: Config
     """The config parsed at the data-parallel size, as `initialize` parses it."""
+    sequence: int = 1
+    """Ranks sharing each sequence (Ulysses): inside `data`, each holding 1/sequence of the tokens."""
 
 
 def layout(model: torch.nn.Module, raw: dict[str, Any], world: int) -> RankLayout:
@@ -41,7 +44,8 @@ def layout(model: torch.nn.Module, raw: dict[str, Any], world: int) -> RankLayou
     pipe = model.num_stages if isinstance(model, PipelineModule) else 1
     tensor = tensor_parallel_size(raw, model, None)
     data = data_parallel_size(world, pipe, tensor)
-    return RankLayout(world, pipe, tensor, data, parse_config(raw, dp_size=data))
+    sequence = sequence_parallel_size(raw, None)
+    return RankLayout(world, pipe, tensor, data, parse_config(raw, dp_size=replicas(data, sequence)), sequence)
 
 
 def split_as_rank(model: torch.nn.Module, ranks: RankLayout) -> None:

@@ -52,6 +52,14 @@ def check_companions(config: Any, size: int) -> None:
                            f"{', '.join(named)} would treat as the whole sequence; turn one of them off."])
 
 
+def replicas(data: int, sequence: int) -> int:
+    """Model replicas that each take a batch: the data-parallel ranks less the sequence split."""
+    if data % sequence:
+        raise ConfigError([f"sequence_parallel_size: {sequence} must divide the data-parallel size ({data}); choose a "
+                           "divisor of the number of processes (less pipeline and tensor parallelism)."])
+    return data // sequence
+
+
 def setup_sequence_parallel(model: nn.Module, size: int, pipe: int, tensor: int, comm: Collectives) -> SequenceLink | None:
     """The link (its traffic through `comm`), with a transformers model's attention switched; None for size 1.
     Beside tensor parallelism, each tensor rank's heads (already 1/tensor of them) are split again over the
