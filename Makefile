@@ -62,9 +62,10 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --
 # tests start would otherwise compile shardwise's and the tests' sources again (~0.2 s of CPU each).
 BYTECODE = $(BIN)/python -m compileall -q src compat/deepspeed tests conftest.py > /dev/null
 
+# The 30 slowest test phases close the output, so every CI log says where its minutes went.
 test: $(STAMP)
 	$(BYTECODE)
-	$(BIN)/python -m pytest -q -rs $(XDIST)
+	$(BIN)/python -m pytest -q -rs $(XDIST) --durations=30
 
 # The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package.
 $(DS_STAMP): $(STAMP)
