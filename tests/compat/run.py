@@ -40,7 +40,10 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
         command = [python, script, *args]
     elif launcher == "accelerate":  # `accelerate launch --use_deepspeed`; on CPU accelerate gives DeepSpeed one process
         full_env.update(ACCELERATE_USE_CPU="false")
-        command = [python, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(world),
+        # with --config_file its distributed_type decides: accelerate reads the file's parallelism_config only
+        # when no --use_* flag is given
+        paradigm = [] if "--config_file" in (accelerate_args or []) else ["--use_deepspeed"]
+        command = [python, "-m", "accelerate.commands.launch", *paradigm, "--num_processes", str(world),
                    "--main_process_port", port, *(accelerate_args or []), script, *args]
     elif launcher == "torchrun":
         command = [python, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}",
