@@ -123,3 +123,21 @@ def test_models_whose_attention_needs_its_mask_are_refused():
             register_with_transformers(um.build(heads=2, kv_heads=1), EchoLink(4, 0))
     finally:
         unregister_from_transformers()
+
+
+def test_registering_replaces_the_implementation_and_unregistering_puts_it_back():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from shardwise.sequence_parallel import UlyssesAttention
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        assert register_with_transformers(um.build(), EchoLink(2, 0)) == "sdpa"
+        assert register_with_transformers(um.build(), EchoLink(2, 0)) == "sdpa"  # again: still around the original
+        wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        assert isinstance(wrapper, UlyssesAttention) and wrapper.core is original
+    finally:
+        unregister_from_transformers()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+    with pytest.raises(SequenceParallelError, match="a transformers model"):
+        register_with_transformers(torch.nn.Linear(2, 2), EchoLink(2, 0))
