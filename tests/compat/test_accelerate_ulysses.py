@@ -131,16 +131,12 @@ def test_accelerate_config_file_sequence_parallel_matches_the_oracle(oracles, ou
 @pytest.mark.deepspeed_parity
 @needs_deepspeed
 @pytest.mark.parametrize("case", list(CASES))
-def test_accelerate_config_file_sequence_parallel_matches_deepspeed(oracles, ours, tmp_path, case):
+def test_accelerate_config_file_sequence_parallel_matches_deepspeed(oracles, tmp_path, case):
+    """DeepSpeed against the oracle at its own gradient scale; shardwise is held to the full-sequence oracle by the
+    test above in the same CI run, and at scale 2 the two oracles part after the first step."""
     theirs = _launch(case, tmp_path, python=deepspeed_python())
     assert theirs["engine"] == "DeepSpeedEngine"
     scale = deepspeed_gradient_scale(CASES[case][1])
     _assert_matches_oracle(theirs, oracles(case, scale), case, "DeepSpeed")
-    mine = ours(case)
-    _assert_matches_oracle(mine, oracles(case), case, "shardwise")
-    assert mine["seen"] == theirs["seen"]
-    if scale == 1:
-        assert mine["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
-    else:  # the same first step, then the documented difference: DeepSpeed's gradient is sp times ours
-        assert mine["losses"][0] == pytest.approx(theirs["losses"][0], rel=RTOL)
-        assert mine["losses"][1:] != pytest.approx(theirs["losses"][1:], rel=RTOL)
+    if scale != 1:
+        assert oracles(case)["losses"][1:] != pytest.approx(theirs["losses"][1:], rel=RTOL)

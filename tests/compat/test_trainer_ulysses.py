@@ -94,17 +94,12 @@ def test_trainer_sequence_parallel_matches_the_oracle(oracles, tmp_path, case):
 @needs_deepspeed
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_sequence_parallel_matches_deepspeed(oracles, tmp_path, case):
+    """DeepSpeed against the oracle at its own gradient scale. shardwise is held to the full-sequence oracle by the
+    test above, on the same samples, in the same CI run (`make test`); running it again here would prove nothing
+    more: two results equal to one oracle's at the same scale equal each other."""
     theirs = _run(case, tmp_path / "ds", python=deepspeed_python())
-    ours = _run(case, tmp_path / "sw")
-    assert theirs["engine"] == "DeepSpeedEngine" and ours["engine"] == "Engine"
+    assert theirs["engine"] == "DeepSpeedEngine"
     scale = deepspeed_gradient_scale(CASES[case][0])
     _assert_matches_oracle(theirs, oracles(case, scale), "DeepSpeed")
-    _assert_matches_oracle(ours, oracles(case), "shardwise")
-    assert ours["seen"] == theirs["seen"]
-    if scale == 1:
-        assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
-        known = [(a, b) for a, b in zip(ours["grad_norms"], theirs["grad_norms"]) if b is not None]
-        assert all(a == pytest.approx(b, rel=RTOL) for a, b in known), known
-    else:  # the same first step, then the documented difference: DeepSpeed's gradient is sp times ours
-        assert ours["losses"][0] == pytest.approx(theirs["losses"][0], rel=RTOL)
-        assert theirs["grad_norms"][0] == pytest.approx(scale * ours["grad_norms"][0], rel=RTOL)
+    if scale != 1:  # the documented difference: DeepSpeed's gradient is sp times the full-sequence one
+        assert theirs["grad_norms"][0] == pytest.approx(scale * oracles(case)["grad_norms"][0], rel=RTOL)
