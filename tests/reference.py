@@ -33,6 +33,7 @@ def real_deepspeed() -> ModuleType:
         if is_compat(deepspeed):
             reason = "`deepspeed` here is shardwise's compatibility package, not DeepSpeed"
     if reason is None:
+        serve_cpu_info_once()
         return deepspeed
     message = (f"{reason}; this module compares against the real DeepSpeed 0.19.8. Run it with "
                "`make test-deepspeed` (a .dsvenv with deepspeed==0.19.8), as .ci/run does.")
@@ -40,3 +41,22 @@ def real_deepspeed() -> ModuleType:
         pytest.fail(message, pytrace=False)
     pytest.skip(message, allow_module_level=True)
     raise AssertionError("unreachable")
+
+
+def serve_cpu_info_once() -> None:
+    """py-cpuinfo answers every `get_cpu_info()` by starting a new interpreter (~1 s of CPU), and DeepSpeed asks on
+    each CPU-Adam it builds and each op it loads, in every rank. The machine does not change within a test session:
+    asked once here, before the harness forks the ranks, the same answer is given to every later caller."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "served_once", False):
+        return
+    info = cpuinfo.get_cpu_info()
+
+    def get_cpu_info() -> dict:
+        return dict(info)
+
+    get_cpu_info.served_once = True
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -32,9 +32,10 @@ def test_accelerate_launch_use_deepspeed(plain):
 @pytest.mark.deepspeed_parity
 @pytest.mark.skipif(deepspeed_python() is None, reason="needs the real DeepSpeed: SHARDWISE_DEEPSPEED_PYTHON "
                     "(set by `make test-deepspeed`, which .ci/run runs)")
-def test_accelerate_launch_matches_deepspeed():
+def test_accelerate_launch_matches_deepspeed(plain):
+    """DeepSpeed's run against the plain loop, which shardwise's same launch matches in the test above (same CI run):
+    launching shardwise's again here would prove nothing more."""
     flags = ["--zero_stage", "3", "--gradient_accumulation_steps", "2"]
     theirs = run_script("accelerate_loop.py", launcher="accelerate", accelerate_args=flags, python=deepspeed_python())
-    ours = run_script("accelerate_loop.py", launcher="accelerate", accelerate_args=flags)
-    assert theirs["engine"] == "DeepSpeedEngine" and ours["engine"] == "Engine"
-    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+    assert theirs["engine"] == "DeepSpeedEngine"
+    assert theirs["losses"] == pytest.approx(plain["losses"], rel=1e-5)

@@ -1,8 +1,11 @@
 """Scripts written for DeepSpeed the way DeepSpeed-Chat's step-1 SFT and DeepSpeedExamples' CIFAR-10 tutorial are
-written (tests/compat/scripts: chat_sft.py, cifar_style.py), launched with the compatibility package's
-`deepspeed` command on two processes (four for ZeRO++'s hpZ). Without the real DeepSpeed, ZeRO-3 (with LoRA,
-CPU offload and gradient checkpointing) must train as stage 0 does and save whole weights; with it
-(`make test-deepspeed`), every run must match DeepSpeed's losses and saved weights."""
+written (tests/compat/scripts: chat_sft.py, cifar_style.py), on two processes (four for ZeRO++'s hpZ). Without
+the real DeepSpeed, ZeRO-3 (with LoRA, CPU offload and gradient checkpointing) must train as stage 0 does and save
+whole weights; with it (`make test-deepspeed`), every run must match DeepSpeed's losses and saved weights.
+
+Each script runs once under the compatibility package's `deepspeed` command, as its users launch it; its other
+runs get torchrun's environment in a fork of a pre-imported interpreter (run.py), as DeepSpeed's runs do, since a
+second fresh launch costs ~10 s of imports per rank and proves nothing the first did not."""
 
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ needs_deepspeed = pytest.mark.skipif(deepspeed_python() is None, reason="needs t
                                      "SHARDWISE_DEEPSPEED_PYTHON (set by `make test-deepspeed`, which .ci/run runs)")
 
 
-def _chat(tmp_path, name: str, *flags: str, python: str | None = None, world: int = 2) -> tuple[dict, dict]:
+def _chat(tmp_path, name: str, *flags: str, python: str | None = None, world: int = 2,
+          launcher: str = "torchrun") -> tuple[dict, dict]:
     out = tmp_path / name
-    kwargs = {"python": python, "timeout": 600} if python else {"launcher": "deepspeed"}
+    kwargs = {"python": python, "timeout": 600} if python else {"launcher": launcher}
     result = run_script("chat_sft.py", "--model", str(tmp_path / "base"), "--output_dir", str(out), *flags,
                         world=world, **kwargs)
     return result, torch.load(out / "pytorch_model.bin", weights_only=True)
@@ -37,7 +41,7 @@ def _assert_same_training(ours: tuple[dict, dict], theirs: tuple[dict, dict]) ->
 
 def test_chat_sft_zero3_lora_offload_trains_like_stage0(tmp_path):
     stage0, weights0 = _chat(tmp_path, "zero0", "--zero_stage", "0", "--lora_dim", "4")
-    zero3, weights3 = _chat(tmp_path, "zero3", *CHAT_ZERO3)
+    zero3, weights3 = _chat(tmp_path, "zero3", *CHAT_ZERO3, launcher="deepspeed")
     assert zero3["losses"] == pytest.approx(stage0["losses"], rel=RTOL)
     assert zero3["params"] == stage0["params"] and zero3["epochs"] == 1
     assert set(weights3) == set(weights0) and all(v.numel() > 0 for v in weights3.values())
@@ -46,7 +50,7 @@ def test_chat_sft_zero3_lora_offload_trains_like_stage0(tmp_path):
 
 
 def test_cifar_style_zero3_with_moe_param_groups_trains_like_stage0():
-    stage0 = run_script("cifar_style.py", "--stage", "0", "--deepspeed", world=2, launcher="deepspeed")
+    stage0 = run_script("cifar_style.py", "--stage", "0", "--deepspeed", world=2)
     zero3 = run_script("cifar_style.py", "--stage", "3", "--moe-param-group", "--deepspeed", world=2,
                        launcher="deepspeed")
     assert len(stage0["losses"]) == 6 and stage0["steps"] == zero3["steps"] == 6
@@ -89,14 +93,14 @@ def test_chat_sft_hpz_on_two_nodes_matches_deepspeed(tmp_path):
 def test_cifar_style_matches_deepspeed(stage):
     flags = ["--stage", str(stage), "--deepspeed"]
     theirs = run_script("cifar_style.py", *flags, world=2, python=deepspeed_python())
-    ours = run_script("cifar_style.py", *flags, world=2, launcher="deepspeed")
+    ours = run_script("cifar_style.py", *flags, world=2)
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL) and ours["lr"] == pytest.approx(theirs["lr"])
 
 
 def test_pipeline_style_trains_under_the_deepspeed_command():
     """DeepSpeedExamples' pipeline pattern (PipelineModule + train_batch from the engine's loader) at 2 stages:
     ZeRO-0 and ZeRO-1 train alike, clipping included."""
-    zero0 = run_script("pipeline_style.py", "--zero_stage", "0", world=2, launcher="deepspeed")
+    zero0 = run_script("pipeline_style.py", "--zero_stage", "0", world=2)
     zero1 = run_script("pipeline_style.py", "--zero_stage", "1", world=2, launcher="deepspeed")
     assert zero0["steps"] == zero1["steps"] == 6 and zero0["micro_batches"] == 8 and zero0["parts"] == [0, 4, 7]
     assert zero1["losses"] == pytest.approx(zero0["losses"], rel=RTOL)
@@ -113,7 +117,7 @@ def test_pipeline_style_matches_deepspeed(zero, clip):
     by the norm over every stage, as the single-process oracle does (tests/distributed/test_pipeline.py)."""
     flags = ["--zero_stage", zero, "--clip", clip]
     theirs = run_script("pipeline_style.py", *flags, world=2, python=deepspeed_python(), timeout=600)
-    ours = run_script("pipeline_style.py", *flags, world=2, launcher="deepspeed")
+    ours = run_script("pipeline_style.py", *flags, world=2)
     assert ours["parts"] == theirs["parts"] and ours["micro_batches"] == theirs["micro_batches"]
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
 
@@ -150,6 +154,6 @@ def test_autotp_llama_trains_like_the_oracle_under_the_deepspeed_command():
 def test_autotp_llama_matches_deepspeed(zero):
     """The real DeepSpeed 0.19.8 runs AutoTP training on CPU (gloo): the same split and the same losses."""
     theirs = run_script("autotp_llama.py", "--zero_stage", zero, world=2, python=deepspeed_python(), timeout=600)
-    ours = run_script("autotp_llama.py", "--zero_stage", zero, world=2, launcher="deepspeed")
+    ours = run_script("autotp_llama.py", "--zero_stage", zero, world=2)
     assert ours["shapes"] == theirs["shapes"] == AUTOTP_SHAPES
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)

@@ -2,9 +2,9 @@
 package: fp32 losses and gradient norms within 1e-5 (the parity target is 1e-4), saved weights alike.
 
 Needs an interpreter with the real DeepSpeed: `make test-deepspeed` (as .ci/run does) sets
-SHARDWISE_DEEPSPEED_PYTHON to .dsvenv's. DeepSpeed gets two processes through torchrun; shardwise
-through its own `deepspeed` command. (shardwise's ZeRO-3 Trainer runs at two processes are compared with
-the plain-Trainer oracle in test_hf_trainer.py.)"""
+SHARDWISE_DEEPSPEED_PYTHON to .dsvenv's. Both get torchrun's environment, forked from a pre-imported interpreter
+(run.py). (shardwise's Trainer runs at two processes under its `deepspeed` command are compared with the
+plain-Trainer oracle in test_hf_trainer.py.)"""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def test_trainer_matches_deepspeed(case, tmp_path):
     base = str(tmp_path / "base")
     theirs = run_script("hf_trainer.py", "--out", str(tmp_path / "ds"), "--base", base, *flags, world=world,
                         python=deepspeed_python())
-    ours = run_script("hf_trainer.py", "--out", str(tmp_path / "sw"), "--base", base, *flags, world=world,
-                      launcher="deepspeed" if world > 1 else "torchrun")
+    ours = run_script("hf_trainer.py", "--out", str(tmp_path / "sw"), "--base", base, *flags, world=world)
     assert ours["steps"] == theirs["steps"] and ours["saved"] == theirs["saved"]
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
     # DeepSpeed reports no gradient norm with some optimizers (stage 0 with its own: None); shardwise always does

@@ -28,7 +28,7 @@ def _run(tmp_path, library: str, out: str, *args: str, world: int) -> dict:
         return run_script("hf_trainer.py", "--out", str(tmp_path / out), "--base", str(tmp_path / "base"), *args,
                           world=world, python=deepspeed_python())
     return run_script("hf_trainer.py", "--out", str(tmp_path / out), "--base", str(tmp_path / "base"), *args,
-                      world=world, launcher="deepspeed" if world > 1 else "torchrun")
+                      world=world)
 
 
 @pytest.mark.parametrize("case", list(CASES))
