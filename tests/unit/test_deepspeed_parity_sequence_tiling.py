@@ -23,18 +23,10 @@ real_deepspeed()  # skips in shardwise's own venv; `make test-deepspeed` runs th
 import deepspeed.runtime.sequence_parallel.ulysses_sp as ds_sp  # noqa: E402
 
 from shardwise.sequence_parallel import tiled, tiled_loss  # noqa: E402
+from tests.unit.test_sequence_tiling import HIDDEN, llama_mlp  # noqa: E402
 
 TOL = dict(rtol=1e-6, atol=1e-6)
-HIDDEN, INTERMEDIATE, VOCAB = 16, 40, 64
-
-
-def llama_mlp() -> torch.nn.Module:
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    torch.manual_seed(0)
-    return LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=4,
-                                num_key_value_heads=4))
+VOCAB = 64
 
 
 def mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
