@@ -21,9 +21,10 @@ NUM_PROCS ?= 2
 # The real DeepSpeed, in a venv of its own, as the reference the parity tests compare against.
 DS_VENV := .dsvenv
 DS_STAMP := $(DS_VENV)/.installed
+DS_BASE := $(DS_VENV)/.base
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install deepspeed-compat demo test test-deepspeed gpu-install test-gpu clean finetune-demo docs
+.PHONY: install deepspeed-compat demo test test-deepspeed gpu-install test-gpu clean finetune-demo docs ds-ops
 
 # shardwise, its test extras, and the `deepspeed` compatibility package (compat/deepspeed), so that
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
@@ -67,13 +68,28 @@ test: $(STAMP)
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q -rs $(XDIST) --durations=30
 
-# The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package.
-$(DS_STAMP): $(STAMP)
+# The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package. In two
+# parts: torch and DeepSpeed need nothing from .venv (.ci/run builds them while `make install` runs), the Hugging
+# Face packages take .venv's versions.
+$(DS_BASE):
 	$(PYTHON) -m venv $(DS_VENV)
 	$(call install_torch,$(DS_VENV)/bin/pip)
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
-		pytest pytest-timeout pytest-xdist $$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
+		pytest pytest-timeout pytest-xdist
 	touch $@
+
+$(DS_STAMP): $(DS_BASE) $(STAMP)
+	$(DS_VENV)/bin/pip install -q --disable-pip-version-check \
+		$$($(BIN)/pip freeze | grep -iE '^(transformers|peft|accelerate|numpy|trl|datasets)==')
+	touch $@
+
+# DeepSpeed's CPU ops that the parity tests load, compiled ahead (torch's extension cache, ~/.cache/torch_extensions,
+# keeps them; the tests would otherwise compile them on first use). .ci/run builds them on the core that
+# `make install` leaves idle. The same compiler wrapper and accelerator as test-deepspeed, so the tests reuse them.
+DS_OPS = CPUAdamBuilder FusedAdamBuilder ShareMemCommBuilder
+ds-ops: $(DS_BASE)
+	DS_ACCELERATOR=cpu CXX=$(CURDIR)/tools/cxx_without_debug_info $(DS_VENV)/bin/python -c "import deepspeed.ops.op_builder.cpu as ops; \
+		[getattr(ops, name)().load() for name in '$(DS_OPS)'.split()]"
 
 # Parity with the real DeepSpeed: its own modules in .dsvenv (they must run there, not skip), and the
 # Trainer-level comparisons from .venv, which run each script under both.
