@@ -279,3 +279,19 @@ def test_ds_report_takes_deepspeeds_flags(monkeypatch: pytest.MonkeyPatch, capsy
     assert shown["CPU Adam"] == "no" and "torch" in shown
     assert report.ds_report_main(["--json", "--hide_operator_status"]) == 0
     assert "CPU Adam" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_rank_bootstrap_leaves_loading_torch_to_the_script(tmp_path: Path) -> None:
+    """bootstrap.py runs before every rank's script and is stdlib only: a script (or an `exec` target) that does not
+    use torch must not pay its import (~1 s of CPU and ~300 MB per rank)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text("import sys\nprint(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
+    result = subprocess.run([sys.executable, "-m", "shardwise.launcher.bootstrap", "path", str(script)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
