@@ -42,7 +42,29 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, results: mp
         import torch.distributed as dist
 
         if dist.is_initialized():
+            _leave_after_peers(rank, world)
             dist.destroy_process_group()
+
+
+# How long rank 0 waits for its peers to finish before leaving. It hosts the rendezvous store: leaving at once, it
+# cut off a peer still setting up a process group or reading a key ("Connection reset by peer" in place of the
+# peer's result, twice in a row on a loaded machine). A peer blocked in a collective with rank 0 (a test of a
+# failing rank) is let go when the store goes, so the wait is short rather than until every peer is done.
+LEAVE_GRACE_S = 3.0
+
+
+def _leave_after_peers(rank: int, world: int) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        store = _get_default_store()
+        store.set(f"harness/done/{rank}", "1")
+        if rank == 0 and world > 1:
+            store.wait([f"harness/done/{r}" for r in range(1, world)], timedelta(seconds=LEAVE_GRACE_S))
+    except Exception:  # noqa: BLE001 - a peer that did not finish in the grace, or a store already gone
+        pass
 
 
 def _check_alive(procs: list, outcomes: dict, results: mp.Queue) -> None:
