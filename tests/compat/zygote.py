@@ -4,10 +4,11 @@ A script run is ~1 s of training after ~8-10 s of importing torch, transformers,
 DeepSpeed). The zygote imports those third-party packages once per interpreter per test session, then for each
 run forks one child per rank that sets the run's environment, argv and working directory, and executes the script
 as `__main__` with its output in files. shardwise and the compatibility package are never pre-imported: the code
-under test loads fresh in every child, as in a new process. py-cpuinfo is asked once, in the zygote: it starts a
-new interpreter per question (~1 s of CPU), and DeepSpeed asks in every rank. What a child does at exit is what an interpreter does
-(join non-daemon threads, run atexit hooks, flush), then `os._exit`. Several ranks are torchrun's environment
-without its agent: rank 0 hosts the rendezvous store; when one rank fails the others are killed, as torchrun does.
+under test loads fresh in every child, as in a new process. py-cpuinfo is asked once, in the zygote
+(tests/reference.py: it starts an interpreter per question, and DeepSpeed asks in every rank). What a child does
+at exit is what an interpreter does (join non-daemon threads, run atexit hooks, flush), then `os._exit`. Several
+ranks are torchrun's environment without its agent: rank 0 hosts the rendezvous store; when one rank fails the
+others are killed, as torchrun does.
 
 Protocol over the server's stdin/stdout, one JSON line each way: {"script", "args", "cwd", "envs": [per rank],
 "outputs": [[stdout, stderr] per rank]} -> {"pids": [...]} and, once every rank has exited, {"codes": [...]}.
@@ -99,7 +100,7 @@ for name in json.loads(sys.argv[1]):
         importlib.import_module(name)
     except ImportError:
         pass
-try:  # py-cpuinfo starts an interpreter per question (~1 s of CPU); DeepSpeed asks in every rank: once, here
+try:  # as tests/reference.py's serve_cpu_info_once, which the server cannot import (it may run outside the repo)
     import cpuinfo
     _CPU_INFO = cpuinfo.get_cpu_info()
     cpuinfo.get_cpu_info = lambda: dict(_CPU_INFO)

@@ -19,8 +19,7 @@ _HOMES = {"RankMismatchError": "agreement", "Collectives": "collectives", "Colle
           "CollectiveTimeout": "collectives", "CommStats": "collectives", "init_distributed": "init",
           "Group": "topology", "Topology": "topology"}
 
-__all__ = ["Collectives", "CollectiveError", "CollectiveTimeout", "CommStats", "Group", "RankMismatchError", "Topology",
-           "init_distributed"]
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
