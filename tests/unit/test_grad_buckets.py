@@ -118,3 +118,39 @@ def test_at_most_max_in_flight_reductions_so_staging_memory_is_bounded() -> None
     _backward(model, grads)
     assert max(seen) == MAX_IN_FLIGHT - 1 == 1  # in flight before each launch: never more than one other
     assert len(set(reducer.finished)) == MAX_IN_FLIGHT + 1
+
+
+class RecordingReducer(FakeReducer):
+    """Keeps a copy of each launched buffer: what the reduction would have summed."""
+
+    def __init__(self) -> None:
+        super().__init__(completes_at_once=True)
+        self.sent: list[torch.Tensor] = []
+
+    def launch(self, bucket: Bucket) -> Reduction:
+        self.sent.append(bucket.flat.clone())
+        return super().launch(bucket)
+
+
+def test_a_reused_buffer_is_sent_with_this_steps_gradients_zeros_where_none_came_and_zero_padding() -> None:
+    """[Note: buffers are not zeroed]: the pool hands back a buffer full of the last step's values (nan here);
+    what is reduced must be exactly this micro-step's gradients, an unused parameter's slot and the padding
+    zeros, and a gradient adopted with a scale, then added to by backward, the scaled sum."""
+    torch.manual_seed(0)
+    used, unused, adopted = (torch.nn.Parameter(torch.randn(3)) for _ in range(3))
+    layout = plan_buckets([3, 3, 3], 64, align=4)[0]  # 9 elements padded to 12
+    bucket = Bucket(layout, [used, unused, adopted], torch.float32, (0, layout.padded_numel), partitioned=True)
+    reducer = RecordingReducer()
+    grads = GradBuckets([bucket], reducer, overlap=True)
+    bucket.pool.give(torch.full((layout.padded_numel,), float("nan")))
+    adopted.grad = torch.full((3,), 2.0)
+    grads.loose = True
+    assert grads.adopt(scale=0.5) == 1
+    grads.begin(reduce=True)
+    (used * 3.0).sum().backward()
+    (adopted * 4.0).sum().backward()
+    grads.finish()
+    assert layout.padded_numel == 12
+    expected = torch.tensor([3.0] * 3 + [0.0] * 3 + [1.0 + 4.0] * 3 + [0.0] * 3)
+    assert torch.equal(reducer.sent[0], expected)
+    grads.remove_hooks()
