@@ -16,9 +16,11 @@ import torch
 from tests.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-HEADROOM = 100 * 2**20
+HEADROOM = 160 * 2**20
 """Above the mapped bytes at the first forward: the model states (50 MiB with Adam's state) fit, a micro-batch of
-16 (~270 MiB of activations) does not, and one of 2 (~34 MiB) does."""
+16 (~240 MiB of activations) does not, and one of 2 does: its step needed 50-70 MiB above VmSize (the explainer keeps
+64 MiB of an address-space limit for mappings outside the allocator, so it proposes 2, not 4, which failed under
+100 MiB every time)."""
 
 
 def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -69,6 +71,7 @@ def test_a_host_allocation_failure_is_explained_and_the_proposed_change_fits() -
     assert "model states (sum)" in text and "The plan of this config" in text
     assert "estimated: the failing first forward had saved" in text
     assert "bound by the address-space rlimit (ulimit -v)" in text
+    assert "leaves 64.00 MiB of it for mappings outside the tensor allocator" in text
     assert "Changes that fit (planned peak per rank):" in text
     # judged by the failure's account: the run ran out where its plan counted what was live
     assert "times its plan, so each plan below is scaled by" in text

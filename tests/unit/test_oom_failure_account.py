@@ -4,6 +4,8 @@ so every plan is scaled by capacity / that before it is judged. Crafted failure 
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardwise.config import parse_config
 from shardwise.planner import ActivationProfile, ModelShape, plan
 from shardwise.planner.changes import apply
@@ -86,3 +88,20 @@ def test_a_plan_that_said_the_config_would_not_fit_leaves_the_plans_as_they_are(
                   SHAPE)
     assert got.fitting and all(peak <= FIT_SHARE * facts.capacity for _, peak in got.fitting)
     assert "times its plan" not in got.text and getattr(got, "scale", 1.0) == 1.0
+
+
+def test_under_an_address_space_limit_a_change_leaves_room_for_mappings_outside_the_allocator() -> None:
+    """An address-space rlimit counts every mapping (malloc arenas, oneDNN's kernels), which no plan does: a change
+    must leave `outside_allocator` of the capacity free as well as fit within FIT_SHARE of it."""
+    plain = _host_failure()
+    kept = dataclasses.replace(plain, outside_allocator=128 * MiB)
+    cfg = parse_config(RAW, dp_size=1)
+    scale = plain.capacity / plain.accounted
+    offered = {tuple(sorted(c.overrides.items())): peak for c, peak in changes_that_fit(cfg, 1, SHAPE, plain)}
+    crowded = {key for key, peak in offered.items() if peak * scale > plain.capacity - 128 * MiB}
+    assert crowded and len(crowded) < len(offered), "the case must hold changes on both sides of the line"
+    left = {tuple(sorted(c.overrides.items())) for c, _ in changes_that_fit(cfg, 1, SHAPE, kept)}
+    assert left == set(offered) - crowded
+    got = explain(RuntimeError("DefaultCPUAllocator: can't allocate memory"), kept, cfg, 1, SHAPE)
+    assert got.fitting and got.fitting[0][0].overrides["train_micro_batch_size_per_gpu"] == 4, got.text  # 8 is crowded
+    assert "leaves 128.00 MiB of it for mappings outside the tensor allocator" in got.text

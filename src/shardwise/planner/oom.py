@@ -6,7 +6,8 @@ what could still be allocated (`accelerator.memory_headroom`; runtime/out_of_mem
 counted). Changes are planned with the activations of the first forward, measured when it finished, else
 estimated from what it saved before it failed, stretched to the modules it had not reached. A change fits
 when its planned peak is within `FIT_SHARE` of the capacity: the rest is left for what no plan counts
-(fragmentation, temporaries of single ops, tensors the training loop keeps).
+(fragmentation, temporaries of single ops, tensors the training loop keeps). Under an address-space rlimit it must
+also leave `outside_allocator` free, since that limit counts mappings no plan knows of.
 
 [Note: one account for the failure and the proposals] The failure is judged by the allocator: at the failure
 the run needed more than the capacity. The plan counts less than the allocator does (the temporaries of the op
@@ -59,6 +60,9 @@ class MemoryAtFailure:
     """Off CPU: host memory this rank may fill (its share of the available memory, plus what it holds)."""
     other_engines: int = 0
     """Device bytes the process's other engines hold there, which no change to this engine's config frees."""
+    outside_allocator: int = 0
+    """Of the capacity, what must stay free for mappings the allocator does not make (an address-space rlimit:
+    `accelerator.ADDRESS_SPACE_OUTSIDE_ALLOCATOR`)."""
     accounted: int | None = None
     """What the plan's account held at the failure, when the runtime can say: a first forward that failed part-way
     (model states and buffers held, plus the activations saved so far). None: the plan's peak of the config stands
@@ -94,7 +98,10 @@ def explain(error: BaseException, facts: MemoryAtFailure, cfg: Config, dp_size: 
               f"{binary_bytes(facts.headroom)} still free, bound by {facts.bound_by}"
               + (f"; the {binary_bytes(facts.other_engines)} other engines hold on this device is left out"
                  if facts.other_engines else "")
-              + f"); a config fits when its planned peak is within {FIT_SHARE:.0%} of it."]
+              + f"); a config fits when its planned peak is within {FIT_SHARE:.0%} of it"
+              + (f" and leaves {binary_bytes(facts.outside_allocator)} of it for mappings outside the tensor allocator "
+                 "(an address-space limit counts them all: malloc arenas, oneDNN's kernels)" if facts.outside_allocator
+                 else "") + "."]
     if _fits(current, facts, 1.0):
         lines.append("The plan fits, so the memory went to something the planner does not count: tensors the model or "
                      "the training loop keeps (a large logits tensor, cached outputs), or other processes on the device.")
@@ -166,7 +173,8 @@ def _fits(memory: MemoryPlan, facts: MemoryAtFailure, scale: float) -> bool:
     """Within `FIT_SHARE` of the capacity once scaled to the failure's account; the host's share (off CPU) is not
     what failed, so it is judged by the plan."""
     host_fits = facts.host_capacity is None or memory.peak_host <= FIT_SHARE * facts.host_capacity
-    return _peak(memory, facts) * scale <= FIT_SHARE * facts.capacity and host_fits
+    room = min(FIT_SHARE * facts.capacity, facts.capacity - facts.outside_allocator)
+    return _peak(memory, facts) * scale <= room and host_fits
 
 
 def _peak(memory: MemoryPlan, facts: MemoryAtFailure) -> int:

@@ -123,4 +123,4 @@ class OutOfMemoryExplainer:
         where = f"{phase} of micro-step {engine.micro_steps + 1} (step {engine.global_steps + 1})"
         return MemoryAtFailure(where, engine.global_rank, str(device), held, live,
                                headroom.bytes // (local_ranks if headroom.shared else 1), headroom.bound_by, profile,
-                               note, device.type == "cpu", host_capacity, others, accounted)
+                               note, device.type == "cpu", host_capacity, others, headroom.outside_allocator, accounted)
