@@ -154,12 +154,12 @@ class Collectives:
         """Count, number and launch one collective; `launch(call)` starts it (on `channel` if given)."""
         completed = self.stats.record(op, group.name, tensor, group.size)
         call = self._calls[group.name] = self._calls.get(group.name, 0) + 1
+        if group.size == 1:  # nothing to wait for, so nothing to describe (small models pay this per call)
+            return Pending(None, "", self.timeout, completed)
         describe = (
             f"[rank {dist.get_rank()}/{dist.get_world_size()}, {group.name} group] {op} of "
             f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} (call #{call})"
         )
-        if group.size == 1:
-            return Pending(None, describe, self.timeout, completed)
         self.progress.note(group.name, call, op)
         diagnose = lambda final: self._who_is_missing(group, call, op, channel, final)  # noqa: E731 - slow path only
         try:

@@ -127,11 +127,14 @@ class Topology:
         self._model = _pipe_by_tensor_group(pipe, data, tensor)
         self._nodes: list[str] | None = None
         self._data_splits: dict[str, DataSplit | None] = {}
+        self._groups: dict[str, Group] = {}
 
     def group(self, axis: str) -> Group:
-        if axis not in self.sizes:
-            raise ValueError(f"axis: must be one of {', '.join(AXES)}; got {axis!r}.")
-        return Group(axis, self.mesh.get_group(axis), self.sizes[axis], self.mesh.get_local_rank(axis))
+        if axis not in self._groups:  # the mesh's lookups cost ~10 us, and the step asks for its axes every time
+            if axis not in self.sizes:
+                raise ValueError(f"axis: must be one of {', '.join(AXES)}; got {axis!r}.")
+            self._groups[axis] = Group(axis, self.mesh.get_group(axis), self.sizes[axis], self.mesh.get_local_rank(axis))
+        return self._groups[axis]
 
     @property
     def data(self) -> Group:
