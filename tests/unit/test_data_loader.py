@@ -102,3 +102,16 @@ def test_a_pass_resumed_mid_epoch_leaves_the_global_rng_alone():
     resumed = DistributedLoader(DATA, 4, 0, 2, seed=1)
     resumed.load_state_dict({**resumed.state_dict(), "consumed": 16})
     assert torch.equal(_rng_after(lambda: next(iter(resumed))), _rng_after(lambda: None))
+
+
+def test_a_pass_that_yields_no_batch_says_so(caplog):
+    """Issue 42 item 1: an epoch that yields nothing must never pass silently (a training loop over it ends at once)."""
+    tiny = TensorDataset(torch.arange(3.0))
+    loader = DistributedLoader(tiny, micro_batch_size=2, dp_rank=0, dp_size=2, drop_last=True)
+    with caplog.at_level("WARNING", logger="shardwise"):
+        assert list(loader) == []
+    assert "yields no batch: the dataset's 3 samples make less than one micro-batch of 2 per rank over 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardwise"):
+        assert len(list(DistributedLoader(tiny, micro_batch_size=2, dp_rank=0, dp_size=1))) == 2
+    assert "yields no batch" not in caplog.text

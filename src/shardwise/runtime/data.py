@@ -103,6 +103,11 @@ class DistributedLoader:
             torch.empty((), dtype=torch.int64).random_()
         self.sampler.start = self.consumed = start
         total = len(self.loader)
+        if total == 0:  # a training loop over this pass would end at once, having trained nothing
+            logger.warning("data_loader: this pass over epoch %d yields no batch: the dataset's %d samples make less "
+                           "than one micro-batch of %d per rank over %d data-parallel ranks%s.", self.epoch,
+                           self.dataset_size, self.micro_batch_size, self.dp_size,
+                           " with drop_last" if self.drop_last else "")
         for read, batch in enumerate(self.loader, 1):
             self.consumed = position_after(start, read, total, self.micro_batch_size, self.dp_size,
                                            self.dataset_size)
