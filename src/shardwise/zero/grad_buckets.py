@@ -125,7 +125,6 @@ class Bucket:
         self._filled: list[bool] | None = None
         """Partitioned mode, per slot: whether the slot of `flat` holds this micro-step's gradient yet (see
         [Note: buffers are not zeroed]); None while there is no `flat`, and always in persistent mode."""
-        self._gaps = _gaps(layout)
         self.flat: torch.Tensor | None = None if partitioned else self.pool.take(layout.padded_numel, dtype, self.device)
         lo, hi = shard
         self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=self.device) if partitioned else self.flat[lo:hi]
@@ -182,10 +181,10 @@ class Bucket:
             return
         if self.flat is None:
             self._take_flat()
-        for i in (i for i, filled in enumerate(self._filled) if not filled):
-            self.slot_view(i).zero_()
-        for lo, hi in self._gaps:
-            self.flat[lo:hi].zero_()
+        for i, filled in enumerate(self._filled):
+            if not filled:
+                self.slot_view(i).zero_()
+        self.flat[self.layout.numel :].zero_()  # the slots lie end to end from 0 (plan_buckets): then the padding
         self._filled = [True] * len(self.params)
 
     def reopen(self) -> None:
@@ -371,16 +370,6 @@ class BucketedGrads:
 
     def zero_grads(self) -> None:
         self.buckets.zero()
-
-
-def _gaps(layout: BucketLayout) -> list[tuple[int, int]]:
-    """The [lo, hi) ranges of a bucket's buffer that no slot covers (padding)."""
-    gaps, at = [], 0
-    for slot in sorted(layout.slots, key=lambda s: s.offset):
-        if slot.offset > at:
-            gaps.append((at, slot.offset))
-        at = max(at, slot.offset + slot.numel)
-    return gaps + ([(at, layout.padded_numel)] if at < layout.padded_numel else [])
 
 
 def _counted_ranges(bucket: Bucket, counts: Callable[[torch.nn.Parameter], bool]) -> list[tuple[int, int]]:
