@@ -176,6 +176,13 @@ class Collectives:
         return describe_laggards([Laggard(ranks[k], last_call, last_op, "exited" if exited else "")
                                   for k, last_call, last_op, exited in channel.laggards()], [], final)
 
+    def _alone(self, op: str, group: Group, output: torch.Tensor, source: torch.Tensor) -> Pending:
+        """A flat all-gather or reduce-scatter on a group of one: `output` becomes `source`, with no copy when they
+        are one tensor (a ZeRO rank alone: its chunk is the whole buffer)."""
+        if output.data_ptr() != source.data_ptr() or output.shape != source.shape:
+            output.copy_(source)
+        return self._issue(op, group, output if op == "all_gather" else source, lambda _: None)
+
     def all_reduce(self, tensor: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
         channel = self._channel(group, tensor) if shm_supports(op) else None
         if channel is not None:
@@ -187,7 +194,7 @@ class Collectives:
         """Sum `input_flat` (group.size equal chunks) across ranks; this rank's chunk lands in `output`,
         which may be that chunk itself. `input_flat` is scratch afterwards: its contents are unspecified."""
         if group.size == 1:
-            output.copy_(input_flat)
+            return self._alone("reduce_scatter", group, output, input_flat)
         channel = self._channel(group, output, input_flat)
         if channel is not None:
             return self._issue("reduce_scatter", group, input_flat,
@@ -210,7 +217,7 @@ class Collectives:
     def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor, group: Group) -> Pending:
         """Concatenate every rank's `shard` into `output_flat`; `shard` may be this rank's slice of it."""
         if group.size == 1:
-            output_flat.copy_(shard)
+            return self._alone("all_gather", group, output_flat, shard)
         channel = self._channel(group, output_flat, shard)
         if channel is not None:
             return self._issue("all_gather", group, output_flat,
