@@ -39,6 +39,7 @@ ALIASES = {
 CANONICAL = {
     "stage": 3, "stage3_prefetch_bucket_size": 300, "stage3_param_persistence_threshold": 100,
     "stage3_max_live_parameters": 3000, "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True,
+    "stage3_module_granularity_threshold": 50,
     "offload_optimizer": {"device": "cpu", "pin_memory": False},
 }
 

@@ -253,14 +253,20 @@ def _attention_batch(step: int):
     return torch.randint(0, 16, (4, 5), generator=g), torch.randint(0, 16, (4, 5), generator=g)
 
 
-def _attention_run(leaf: bool):
+GRANULARITY = 112
+"""Attention's elements per layer (560 over embed, out_proj, attn, head and itself): the smallest in the model, so
+stage3_module_granularity_threshold at this value makes the whole model one leaf (DeepSpeed's rule, root first)."""
+
+
+def _attention_run(leaf: bool | str):
     torch.manual_seed(0)
     model = Attention()
-    if leaf:
+    if leaf is True:
         marked = shardwise.zero.set_z3_leaf_modules(model, [torch.nn.MultiheadAttention])
         assert marked == [model.attn] == shardwise.zero.get_z3_leaf_modules(model)
         assert shardwise.zero.z3_leaf_module(model.attn) and not shardwise.zero.z3_leaf_module(model.head)
-    engine, *_ = shardwise.initialize(model=model, config=_config())
+    zero = {"stage3_module_granularity_threshold": GRANULARITY} if leaf == "granularity" else {}
+    engine, *_ = shardwise.initialize(model=model, config=_config(**zero))
     rank, losses = dist.get_rank(), []
     for step in range(STEPS):
         x, y = _attention_batch(step)
@@ -274,7 +280,7 @@ def _attention_run(leaf: bool):
     return losses, engine._zero3_consolidated_16bit_state_dict(), hooked
 
 
-@pytest.mark.parametrize("leaf", [False, True])
+@pytest.mark.parametrize("leaf", [False, True, "granularity"])
 def test_multihead_attention_trains_like_the_oracle(leaf):
     # DeepSpeed 0.19.8 trains this model at stage 3 without leaf modules (it gathers a parameter when a forward
     # reads it); shardwise did not: "mat2 must be a matrix, got 1-D tensor".
@@ -290,6 +296,9 @@ def test_multihead_attention_trains_like_the_oracle(leaf):
         opt.zero_grad()
         ref_losses.append(loss.item())
     _assert_same_run((losses, state), (ref_losses, {k: v.detach() for k, v in model.state_dict().items()}))
+    if leaf == "granularity":  # the root is the one leaf: its hooks gather every unit, and nothing else is hooked
+        assert hooked == {"Attention": 4}
+        return
     # Either way the attention's forward and backward gather out_proj's unit with its own; as a leaf, out_proj
     # has no hooks of its own.
     assert hooked["MultiheadAttention"] == 2

@@ -137,7 +137,7 @@ TABLE: dict[str, Treatment] = {
     "zero_optimization.stage3_max_reuse_distance": impl("keep a gathered module if it is reused within this many elements (stage 3)", DEFAULT),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": impl("save_16bit_model() gathers the full weights at stage 3"),
     "zero_optimization.stage3_model_persistence_threshold": only((sys.maxsize,), "a cap on the total elements kept whole by the persistence threshold"),
-    "zero_optimization.stage3_module_granularity_threshold": noop(STAGE3_UNITS),
+    "zero_optimization.stage3_module_granularity_threshold": impl("modules with at most this many elements per layer are gathered whole, without hooks on their descendants (stage 3)", DEFAULT),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": noop(STAGE3_UNITS),
     "zero_optimization.stage3_allgather_sequential": noop(STAGE3_UNITS),
     "zero_optimization.memory_efficient_linear": noop("DeepSpeed's stage 3 swaps in its own F.linear; shardwise patches no torch function"),

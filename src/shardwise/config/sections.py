@@ -95,6 +95,9 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: int = Field(0, ge=0)
+    """Stage 3: modules of at most this many elements per layer are gathered whole, without hooks on their
+    descendants (zero/stage3/leaf.py, [Note: leaves by granularity]); 0: off."""
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()

@@ -8,13 +8,31 @@ children's parameters without calling them. Mark modules before `shardwise.initi
 marks once, when it builds its hooks.
 
 The mark is the module attribute `_z3_leaf`, as DeepSpeed keeps it, so a copy of the model keeps it too.
+
+[Note: leaves by granularity] `zero_optimization.stage3_module_granularity_threshold` (DeepSpeed's key, 0: off)
+marks leaves by size instead of by class. A module's granularity is the elements of its subtree per "layer",
+where the layers are the subtree's parameter-holding modules without children plus the module itself;
+modules without children, modules holding no parameter, torch's containers (ModuleList, Sequential, ...: their
+children's hooks must stay) and subtrees above `MAX_LEAF_ELEMENTS` are never leaves. Walking from the root, the
+first module at or below the threshold on each path becomes a leaf, so a transformer block is chosen before its
+attention and MLP. Every module keeps its own unit (its gather and gradient reduction); what goes is the hooks of
+the leaf's descendants, each a forward pre/post hook, a backward hook and a wait per module per step. On the
+33.7M-parameter bench GPT at world 2 (CPU), hooks on its 27 blocks (marked by class, `set_z3_leaf_modules`)
+instead of their 110 linear layers made the ZeRO-3 step 3.6 % faster (paired steps in the same processes,
+median; 0.78-1.06 p10-p90). By granularity that GPT cannot get there: its root, whose subtree holds the
+16M-element embedding, has the smallest granularity of all, so a threshold either marks nothing or the whole
+model (gathered whole for every forward), as DeepSpeed's does with the same key.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
+
+MAX_LEAF_ELEMENTS = 10**9
+"""A subtree larger than this is never made a leaf by granularity: it would be gathered whole at once."""
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:
@@ -61,3 +79,50 @@ def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[
                           raise_if_not_found: bool = True) -> list[torch.nn.Module]:
     """Remove the leaf mark from the matching modules; returns them."""
     return _mark(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _elements(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # whole, also once zero.Init partitioned it
+
+
+def granularities(model: torch.nn.Module) -> dict[int, int]:
+    """id(module) -> elements per layer, for the modules that may become leaves ([Note: leaves by granularity])."""
+    found: dict[int, int] = {}
+    containers = {getattr(torch.nn, name) for name in torch.nn.modules.container.__all__}
+
+    def visit(module: torch.nn.Module) -> tuple[int, int]:  # (layers, elements) of the subtree
+        elements = sum(_elements(p) for p in module.parameters(recurse=False))
+        children = list(module.children())
+        if not children:
+            return (1, elements) if elements else (0, 0)
+        layers = 0
+        for child in children:
+            child_layers, child_elements = visit(child)
+            layers, elements = layers + child_layers, elements + child_elements
+        if elements == 0 or type(module) in containers:
+            return layers, elements
+        layers += 1
+        if elements <= MAX_LEAF_ELEMENTS:
+            found[id(module)] = elements // layers
+        return layers, elements
+
+    visit(model)
+    return found
+
+
+def set_leaves_by_granularity(model: torch.nn.Module, threshold: int) -> tuple[list[torch.nn.Module], int]:
+    """Mark the outermost modules whose granularity is at most `threshold` as leaves; returns them and the smallest
+    granularity in the model (sys.maxsize if none), which a threshold below it leaves without effect."""
+    sizes = granularities(model)
+    marked: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        if sizes.get(id(module), sys.maxsize) <= threshold:
+            module._z3_leaf = True
+            marked.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return marked, min(sizes.values(), default=sys.maxsize)

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from ...config.notes import note_once
+from ...config.notes import note_once, note_once_per_job
 from ...distributed.topology import DataSplit
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
@@ -37,6 +37,7 @@ from ..reducers import GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
 from .init import check_shapes
+from .leaf import set_leaves_by_granularity
 from .state_dict import LocalStateDict, consolidated_state_dict
 from .unit import LiveParams, ParamUnit
 
@@ -62,6 +63,8 @@ class Stage3(NoRankLocalState, BucketedGrads):
         self.param_home = make_param_home(zero.offload_param, self.group.rank, inputs.aio)
         self.units: list[ParamUnit] = []
         self.unit_group: dict[int, int] = {}
+        if zero.stage3_module_granularity_threshold > 0:
+            _leaves_by_granularity(self.module, zero.stage3_module_granularity_threshold)
         plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), zero.stage3_param_persistence_threshold)
         for module_name, group_index, named, persistent in plans:
             frozen_on_node = group_index < 0 and zero.node_local_frozen_weights
@@ -219,6 +222,20 @@ class Stage3(NoRankLocalState, BucketedGrads):
     def close(self) -> None:
         self.offload.close()
         self.param_home.close()
+
+
+def _leaves_by_granularity(module: torch.nn.Module, threshold: int) -> None:
+    """stage3_module_granularity_threshold: mark the leaves, and say what it did (DeepSpeed says both too)."""
+    marked, smallest = set_leaves_by_granularity(module, threshold)
+    key = f"zero_optimization.stage3_module_granularity_threshold={threshold}"
+    if not marked:
+        note_once_per_job(logger, logging.WARNING, f"{key} marks no module: the smallest granularity in this model is "
+                          f"{smallest} elements per layer; set it to at least that for an effect, or mark leaves by "
+                          "class with shardwise.zero.set_z3_leaf_modules.")
+        return
+    names = {id(m): name or "<root>" for name, m in module.named_modules()}
+    shown = ", ".join(names[id(m)] for m in marked[:5]) + (", ..." if len(marked) > 5 else "")
+    note_once_per_job(logger, logging.INFO, f"{key}: {len(marked)} module(s) gathered whole as ZeRO-3 leaves ({shown})")
 
 
 def _quantize_gradients(asked: bool, node_split: DataSplit | None) -> bool:
