@@ -17,11 +17,12 @@ children's hooks must stay) and subtrees above `MAX_LEAF_ELEMENTS` are never lea
 first module at or below the threshold on each path becomes a leaf, so a transformer block is chosen before its
 attention and MLP. Every module keeps its own unit (its gather and gradient reduction); what goes is the hooks of
 the leaf's descendants, each a forward pre/post hook, a backward hook and a wait per module per step. On the
-33.7M-parameter bench GPT at world 2 (CPU), hooks on its 27 blocks (marked by class, `set_z3_leaf_modules`)
-instead of their 110 linear layers made the ZeRO-3 step 3.6 % faster (paired steps in the same processes,
-median; 0.78-1.06 p10-p90). By granularity that GPT cannot get there: its root, whose subtree holds the
-16M-element embedding, has the smallest granularity of all, so a threshold either marks nothing or the whole
-model (gathered whole for every forward), as DeepSpeed's does with the same key.
+33.7M-parameter bench GPT at world 2 (CPU), marking its 27 blocks (by class, `set_z3_leaf_modules`) leaves 32
+hooked modules instead of 167 (every module holding a unit: 110 linear layers, the layer norms, the root), and
+the ZeRO-3 step ran 2-3.5 % faster (benchmarks/zero3_leaves.py, paired steps in the same processes: medians
+0.969, 0.979 and, in an earlier harness, 0.964). By granularity that GPT cannot get there: its root, whose
+subtree holds the 16M-element embedding, has the smallest granularity of all, so a threshold either marks
+nothing or the whole model (gathered whole for every forward), as DeepSpeed's does with the same key.
 """
 
 from __future__ import annotations
