@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardwise.planner import ActivationProfile, ModelShape, plan
+from shardwise.zero import set_z3_leaf_modules
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape(trainable=1_000_000, module_sizes=(400_000, 300_000, 200_000, 50_000, 50_000))
@@ -55,6 +57,21 @@ def test_stage3_window_follows_reuse_distance_and_prefetch() -> None:
     tight = plan(SHAPE, _cfg(3, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0), 2).part("zero3_window")
     assert wide == 4 * 900_000  # every non-persistent unit stays gathered from forward into backward
     assert tight.device == 4 * 400_000  # only the running (largest) unit
+
+
+def test_stage3_window_counts_a_leaf_modules_units_as_gathered_at_once() -> None:
+    """A ZeRO-3 leaf (an MoE block marked by class, or chosen by stage3_module_granularity_threshold) gathers its
+    whole subtree when it runs: the running "unit" is the leaf's, persistent modules inside it aside."""
+    tight = _cfg(3, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    with_leaf = ModelShape(trainable=1_000_000, module_sizes=SHAPE.module_sizes,
+                           leaf_groups=((300_000, 200_000, 50_000),))
+    assert plan(with_leaf, tight, 2).part("zero3_window").device == 4 * 500_000
+    assert ModelShape.from_json(with_leaf.to_json()) == with_leaf
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 8)))
+    assert ModelShape.of(model).leaf_groups == ()
+    set_z3_leaf_modules(model, [torch.nn.Sequential])  # the root and its inner Sequential: the root is outermost
+    assert ModelShape.of(model).leaf_groups == ((72, 36, 40),)
 
 
 def test_stage2_staging_is_bounded_by_the_buckets_in_flight() -> None:

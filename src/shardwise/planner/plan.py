@@ -158,10 +158,12 @@ def _window(shape: ModelShape, cfg: Config) -> int:
     """Elements gathered whole at once at stage 3. After a unit's forward it stays gathered when backward
     will use it again within `stage3_max_reuse_distance` elements of other gathers, which in backward's
     reverse order keeps the last `max_reuse_distance` elements of the forward; on top, the running unit and
-    the prefetch bucket ahead of it, within `stage3_max_live_parameters`."""
+    the prefetch bucket ahead of it, within `stage3_max_live_parameters`. A leaf module's units are gathered
+    at once: together they count as one."""
     zero = cfg.zero_optimization
     units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold]
-    total, largest = sum(units), max(units, default=0)
+    leaves = [sum(s for s in group if s >= zero.stage3_param_persistence_threshold) for group in shape.leaf_groups]
+    total, largest = sum(units), max(units + leaves, default=0)
     kept = min(total, zero.stage3_max_reuse_distance)
     ahead = min(zero.stage3_prefetch_bucket_size, max(zero.stage3_max_live_parameters - largest, 0))
     return min(total, max(kept, largest + ahead))

@@ -44,15 +44,30 @@ class ModelShape:
     module_sizes: tuple[int, ...] = ()
     """Elements owned directly by each module with parameters, in registration order: ZeRO-3 gathers
     parameters module by module, so its live window is counted in these units."""
+    leaf_groups: tuple[tuple[int, ...], ...] = ()
+    """Per ZeRO-3 leaf module (zero/stage3/leaf.py: marked by class, or by granularity once an engine marked
+    them), the `module_sizes` of its subtree: a leaf's forward gathers them all at once."""
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModelShape:
+        from ..zero.stage3.leaf import z3_leaf_module
+
         params = list(dict.fromkeys(module.parameters()))  # a tied parameter once
-        sizes = [sum(_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()]
+
+        def sizes(modules: Any) -> tuple[int, ...]:
+            return tuple(s for s in (sum(_numel(p) for p in m.parameters(recurse=False)) for m in modules) if s)
+
+        leaves: list[torch.nn.Module] = []
+        inside: set[int] = set()
+        for m in module.modules():  # the outermost leaves: a leaf's descendants are gathered with it
+            if id(m) not in inside and z3_leaf_module(m):
+                leaves.append(m)
+                inside.update(id(d) for d in m.modules())
         return cls(trainable=sum(_numel(p) for p in params if p.requires_grad),
                    frozen=sum(_numel(p) for p in params if not p.requires_grad),
                    param_bytes=params[0].element_size() if params else 4,
-                   module_sizes=tuple(s for s in sizes if s))
+                   module_sizes=sizes(module.modules()),
+                   leaf_groups=tuple(group for leaf in leaves if (group := sizes(leaf.modules()))))
 
     @property
     def total(self) -> int:
@@ -63,7 +78,8 @@ class ModelShape:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelShape:
-        return cls(**{**data, "module_sizes": tuple(data.get("module_sizes", ()))})
+        return cls(**{**data, "module_sizes": tuple(data.get("module_sizes", ())),
+                      "leaf_groups": tuple(tuple(g) for g in data.get("leaf_groups", ()))})
 
 
 @dataclass(frozen=True)
