@@ -74,7 +74,7 @@ class ModelShape:
         return self.trainable + self.frozen
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "leaf_groups": [list(group) for group in self.leaf_groups]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelShape:
