@@ -29,6 +29,7 @@ from ..config import Config
 from ..monitor.reporter import StepFigures
 from ..planner.probe import PlanProbe
 from ..planner.shape import ActivationProfile, ModelShape
+from ..profiling.memory import whole_numel
 
 OK, OVER_BUDGET, HOPELESS = "ok", "over_budget", "hopeless"
 """What a finished experiment reports: measured; stopped at step 2 over its memory budget; stopped after the first
@@ -145,4 +146,4 @@ def _metric(metrics: dict[str, float], name: str) -> float:
 
 
 def _trainable(module: torch.nn.Module) -> int:
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+    return sum(whole_numel(p) for p in module.parameters() if p.requires_grad)

@@ -12,11 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..profiling.activations import is_parameter, storage_key
-
-
-def _numel(p: torch.Tensor) -> int:
-    """A parameter's whole element count, also when ZeRO-3 left a placeholder in the module."""
-    return int(getattr(p, "ds_numel", p.numel()))
+from ..profiling.memory import whole_numel
 
 
 def _saved_key(t: torch.Tensor) -> Any:
@@ -50,24 +46,18 @@ class ModelShape:
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModelShape:
-        from ..zero.stage3.leaf import z3_leaf_module
+        from ..zero.stage3.leaf import outermost_leaves
 
         params = list(dict.fromkeys(module.parameters()))  # a tied parameter once
 
         def sizes(modules: Any) -> tuple[int, ...]:
-            return tuple(s for s in (sum(_numel(p) for p in m.parameters(recurse=False)) for m in modules) if s)
+            return tuple(s for s in (sum(whole_numel(p) for p in m.parameters(recurse=False)) for m in modules) if s)
 
-        leaves: list[torch.nn.Module] = []
-        inside: set[int] = set()
-        for m in module.modules():  # the outermost leaves: a leaf's descendants are gathered with it
-            if id(m) not in inside and z3_leaf_module(m):
-                leaves.append(m)
-                inside.update(id(d) for d in m.modules())
-        return cls(trainable=sum(_numel(p) for p in params if p.requires_grad),
-                   frozen=sum(_numel(p) for p in params if not p.requires_grad),
+        return cls(trainable=sum(whole_numel(p) for p in params if p.requires_grad),
+                   frozen=sum(whole_numel(p) for p in params if not p.requires_grad),
                    param_bytes=params[0].element_size() if params else 4,
                    module_sizes=sizes(module.modules()),
-                   leaf_groups=tuple(group for leaf in leaves if (group := sizes(leaf.modules()))))
+                   leaf_groups=tuple(group for leaf in outermost_leaves(module) if (group := sizes(leaf.modules()))))
 
     @property
     def total(self) -> int:

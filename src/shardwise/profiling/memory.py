@@ -206,8 +206,8 @@ def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: in
     gradients = _tally([*held.grads, *loose], seen)
     state = _tally(_optimizer_state(optimizer), seen)
     buffers = _tally(module.buffers(), seen)
-    numel = sum(_whole_numel(p) for p in module.parameters() if p.requires_grad)
-    param_bytes = sum(_whole_numel(p) * p.element_size() for p in module.parameters())
+    numel = sum(whole_numel(p) for p in module.parameters() if p.requires_grad)
+    param_bytes = sum(whole_numel(p) * p.element_size() for p in module.parameters())
     grad_bytes = max(held.grads, key=torch.Tensor.numel).element_size() if held.grads else 4
     # torch's optimizers keep their state in the masters' dtype: fp32, or bf16 with bf16_master_weights_and_grads.
     state_bytes = held.masters[0].element_size() if held.masters else 4
@@ -218,8 +218,9 @@ def memory_breakdown(strategy: ShardingStrategy, device: torch.device, stage: in
     return MemoryBreakdown(parameters, frozen, masters, gradients, state, buffers, activations_peak, device_peak, rss, expected)
 
 
-def _whole_numel(p: torch.Tensor) -> int:
-    """A parameter's elements, also when ZeRO-3 left only a placeholder in the module (`ds_numel`)."""
+def whole_numel(p: torch.Tensor) -> int:
+    """A parameter's elements, also when ZeRO-3 left only a placeholder in the module (`ds_numel`): the one
+    place that says so (the planner, the autotuner and ZeRO-3's leaf granularity count with it)."""
     return int(getattr(p, "ds_numel", p.numel()))
 
 

@@ -16,7 +16,7 @@ from ...distributed import Collectives, Group
 from ...precision import PrecisionPolicy
 from ..flat_param import BucketLayout, plan_buckets
 from .ds_attributes import mark_partitioned
-from .leaf import z3_leaf_module
+from .leaf import outermost_leaves
 from .registry import EXTERNAL_PARAMS, INIT_SHARD_OF, UNIT_OF
 from .unit import LiveParams, ParamUnit
 
@@ -116,15 +116,13 @@ def units_by_module(module: torch.nn.Module, units: list[ParamUnit]) -> dict[tor
     """The units each module needs: those owning its direct parameters and its registered external ones; a leaf
     module (`leaf.py`) needs its whole subtree's, and its descendants get no entry (no hooks)."""
     needs: dict[torch.nn.Module, list[ParamUnit]] = {}
-    inside_leaf: set[int] = set()
+    leaves = {id(leaf): leaf for leaf in outermost_leaves(module)}
+    inside_leaf = {id(m) for leaf in leaves.values() for m in leaf.modules() if m is not leaf}
     for mod in module.modules():
         if id(mod) in inside_leaf:
             continue
-        leaf = z3_leaf_module(mod)
-        if leaf:
-            inside_leaf.update(id(m) for m in mod.modules())
         found: list[ParamUnit] = []
-        for p in _read_by(mod, leaf):
+        for p in _read_by(mod, id(mod) in leaves):
             unit = UNIT_OF.get(p)
             if unit is not None and all(unit is not u for u in found):
                 found.append(unit)

@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 
+from ...profiling.memory import whole_numel
+
 MAX_LEAF_ELEMENTS = 10**9
 """A subtree larger than this is never made a leaf by granularity: it would be gathered whole at once."""
 
@@ -44,6 +46,18 @@ def z3_leaf_module(module: torch.nn.Module) -> bool:
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` marked as leaves, in `model.modules()` order."""
     return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def outermost_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The leaves of `model` not inside another leaf, in `model.modules()` order: each is gathered with its whole
+    subtree, so a leaf below it changes nothing."""
+    leaves: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) not in inside and z3_leaf_module(module):
+            leaves.append(module)
+            inside.update(id(m) for m in module.modules())
+    return leaves
 
 
 def _matches(module: torch.nn.Module, wanted: type | str) -> bool:
@@ -82,17 +96,13 @@ def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[
     return _mark(model, leaf_module_classes, False, raise_if_not_found)
 
 
-def _elements(p: torch.nn.Parameter) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))  # whole, also once zero.Init partitioned it
-
-
 def granularities(model: torch.nn.Module) -> dict[int, int]:
     """id(module) -> elements per layer, for the modules that may become leaves ([Note: leaves by granularity])."""
     found: dict[int, int] = {}
     containers = {getattr(torch.nn, name) for name in torch.nn.modules.container.__all__}
 
     def visit(module: torch.nn.Module) -> tuple[int, int]:  # (layers, elements) of the subtree
-        elements = sum(_elements(p) for p in module.parameters(recurse=False))
+        elements = sum(whole_numel(p) for p in module.parameters(recurse=False))  # whole, also after zero.Init
         children = list(module.children())
         if not children:
             return (1, elements) if elements else (0, 0)
