@@ -1,4 +1,4 @@
-"""Which gradients an engine steps on, at world size 2 and ZeRO stages 0-3, against the torch oracle:
+"""Which gradients an engine steps on, at world size 2 (the GAN alone too) and ZeRO stages 0-3, against the torch oracle:
 a direct `loss.backward()` (then `engine.step()`), two engines in one script (a GAN), and `step()`
 without any backward. The rule is zero/grad_buckets.py's [Note: whose gradient is it].
 
@@ -108,9 +108,10 @@ def test_direct_backward_under_fp16_is_refused_at_the_first_step():
 # generator's loss diverged from the second iteration at every stage (from the first at stage 1, whose second
 # reduction of a bucket averaged the first result with leftovers).
 @pytest.mark.parametrize("stage", STAGES)
-def test_gan_two_engines_match_the_torch_oracle(stage):
-    ref_d, ref_g = gan_oracle(6, 2)
-    d_losses, g_losses = run_distributed(gan_run, 2, "shardwise", stage, 6)[0]
+@pytest.mark.parametrize("world", [1, 2])  # alone, stages 1-2 take stage 0's whole buckets (test_world_of_one.py)
+def test_gan_two_engines_match_the_torch_oracle(stage, world):
+    ref_d, ref_g = gan_oracle(6, world)
+    d_losses, g_losses = run_distributed(gan_run, world, "shardwise", stage, 6)[0]
     for step, (a, b, c, d) in enumerate(zip(d_losses, ref_d, g_losses, ref_g)):
         assert abs(a - b) <= 1e-5 * abs(b) and abs(c - d) <= 1e-5 * abs(d), (
             f"stage {stage} step {step}: D {a} vs {b}, G {c} vs {d}")

@@ -129,6 +129,25 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         """What offload_states() took off the accelerator until reload_states()."""
         param_access.register(self)
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model, registered as the submodule "module" as in DeepSpeed's engine. Read here rather than
+        through nn.Module's attribute fallback (~1.5 us a read, several in every forward, backward and step)."""
+        try:
+            return self.__dict__["_modules"]["module"]
+        except KeyError:
+            raise AttributeError("module") from None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's, asked of the submodules: the engine holds no parameter of its own, and walking its tree too
+        cost a GAN iteration's two zero_grad() calls ~8 us."""
+        if self._parameters:
+            torch.nn.Module.zero_grad(self, set_to_none)
+            return
+        for child in self._modules.values():
+            if child is not None:
+                child.zero_grad(set_to_none)
+
     # --- accumulation boundaries (the rest of DeepSpeed's accessors: deepspeed_surface.py) -------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -173,7 +192,9 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self._grads_since_step = True
         self.strategy.begin_backward(reduce)
-        self._window_loss = self._window_loss + loss.detach()
+        # The window's first loss is kept as it is: an add into 0.0 is a kernel (~6 us on CPU) on every backward.
+        window = self._window_loss
+        self._window_loss = loss.detach() if isinstance(window, float) and window == 0.0 else window + loss.detach()
         factor = self.precision.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps()
@@ -231,8 +252,9 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         self.global_samples += self.train_batch_size()
         self.tput_timer.step_done()
         gas = self.gradient_accumulation_steps()
+        loss = self._window_loss / gas if gas != 1 else self._window_loss
         self.instruments.on_step(StepFigures(
-            self.global_steps, self.global_samples, self._window_loss / gas, self.train_batch_size(),
+            self.global_steps, self.global_samples, loss, self.train_batch_size(),
             self._window_tokens * self.topology.data.size, self.get_lr(), self.loss_scale, self.get_global_grad_norm(),
         ))
         self._window_loss, self._window_tokens = 0.0, 0

@@ -259,10 +259,12 @@ class GradBuckets:
             param.grad = None
             if self._reducing:
                 bucket.waiting -= 1
-                if bucket.waiting == 0 and self.on_complete is not None:
-                    self.on_complete(index)
+                if bucket.waiting == 0:
+                    if self.on_complete is not None:
+                        self.on_complete(index)
+                    if self.overlap:  # only a bucket just completed can let the next in order go
+                        self._launch_ready()
                 if self.overlap:
-                    self._launch_ready()
                     self._finish_completed()
 
         return on_grad

@@ -30,7 +30,7 @@ from ..protocols import ModelStateTensors, NoRankLocalState, StateSlot, Strategy
 from .edits import register_replicated, take_edits
 from .flat_param import BucketLayout
 from .grad_buckets import Bucket, BucketedGrads, GradBuckets, plan_grad_buckets
-from .reducers import GradAveraging, ReduceScatterMean
+from .reducers import AllReduceMean, GradAveraging, ReduceScatterMean
 from .stage0 import trainable_parameters, whole_state_dict
 
 
@@ -40,11 +40,15 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
         self.stage = stage
         self.reduces_every_micro_step = stage == 2
         groups = _trainable_groups(inputs.param_groups, trainable_parameters(self.module))
+        # [Note: a data-parallel group of one] Alone, a rank's slice is the whole bucket and reducing is the identity:
+        # stage 2's buckets stay whole (its gradients accumulate straight into them, not into a scratch buffer that
+        # is then added into the slice) and the reduction is stage 0's, which may run twice in a window at no cost.
+        alone = self.group.size == 1
         buckets: list[Bucket] = []
         self.bucket_group: list[int] = []
         for index, params in enumerate(groups):
             planned = plan_grad_buckets(params, inputs.zero.reduce_bucket_size, self.precision.grad_accum_dtype,
-                                        self.group.rank, self.group.size, partitioned=stage == 2)
+                                        self.group.rank, self.group.size, partitioned=stage == 2 and not alone)
             buckets += planned
             self.bucket_group += [index] * len(planned)
         self.offload = make_optimizer_offload(inputs.zero.offload_optimizer, inputs.zero.sub_group_size,
@@ -54,7 +58,8 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
         if self.precision.casts_module:
             self.module.to(dtype=self.precision.param_dtype)  # frozen parameters and buffers
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
-        reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2)
+        reducer = (AllReduceMean(self.comm, self.group, averaging, self.precision.reduce_dtype) if alone else
+                   ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=stage == 2))
         self.buckets = GradBuckets(buckets, reducer, overlap=inputs.zero.overlap_comm, counts_in_norm=inputs.counts_in_norm)
         self.optimizer = inputs.make_optimizer(self._master_groups(inputs.param_groups))
         self.offload.bind(self.optimizer)
@@ -101,6 +106,8 @@ class ShardedDataParallel(NoRankLocalState, BucketedGrads):
                 self.param_flats[i][lo:hi].copy_(self.masters[i], non_blocking=True)
 
     def _all_gather_params(self) -> None:
+        if self.group.size == 1:
+            return  # each flat buffer is its own slice: nothing to gather
         pending = []
         for flat, bucket in zip(self.param_flats, self.buckets.buckets):
             lo, hi = bucket.shard
