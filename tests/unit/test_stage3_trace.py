@@ -67,3 +67,30 @@ def test_a_diverging_pass_stops_prefetching():
     assert list(trace.upcoming()) == [b] and trace.reused_within(b, 100)
     trace.record(("forward", 3), [b])
     assert list(trace.upcoming()) == [] and not trace.reused_within(b, 100)
+
+
+def _pass(trace, events):
+    trace.start_pass(True)
+    for event, used in events:
+        trace.record(event, used)
+    trace.commit()
+
+
+def test_a_pass_that_follows_its_plan_keeps_it_and_any_change_replans():
+    a, b, c = FakeUnit(10, False), FakeUnit(20, False), FakeUnit(30, False)
+    events = [(("forward", 1), [a]), (("forward", 2), [b]), (("backward", 2), [b]), (("backward", 1), [a])]
+    trace = ExecutionTrace()
+    _pass(trace, events)
+    plan = trace._traces[True]
+    _pass(trace, events)
+    assert trace._traces[True] is plan  # built once, not once per pass (~45 us of a small model's step)
+    events[1][1].append(c)  # a module took an external parameter: its event's list grew in place
+    trace.units_changed()
+    _pass(trace, events)
+    assert trace._traces[True] is not plan and c in trace._traces[True].fetchable
+    plan = trace._traces[True]
+    _pass(trace, events[:2])  # a pass that stopped early (no backward) is the plan from now on
+    assert trace._traces[True] is not plan and len(trace._traces[True].events) == 2
+    plan = trace._traces[True]
+    _pass(trace, [events[1], events[0]])  # another order
+    assert trace._traces[True].events == [("forward", 2), ("forward", 1)]

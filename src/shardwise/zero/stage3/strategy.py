@@ -33,7 +33,7 @@ from ...protocols import ModelStateTensors, NoRankLocalState, StateSlot, Strateg
 from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
 from ..quantize import BlockQuant
 from ..quantized_comm import QuantizedReduceScatter
-from ..reducers import GradAveraging, ReduceScatterMean
+from ..reducers import AllReduceMean, GradAveraging, ReduceScatterMean
 from .build import build_unit, coalesce_persistent, plan_units, units_by_module
 from .hooks import Stage3Hooks
 from .init import check_shapes
@@ -83,11 +83,15 @@ class Stage3(NoRankLocalState, BucketedGrads):
             self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
         self.trainable = [u for u in self.units if u.master is not None]
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
-        reducer = (QuantizedReduceScatter(self.comm, self.group, averaging, GRAD_QUANT)
-                   if _quantize_gradients(zero.zero_quantized_gradients, inputs.node_split)
-                   else ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True))
+        alone = self.group.size == 1  # whole buckets, nothing to reduce ([Note: a data-parallel group of one])
+        if alone:
+            reducer = AllReduceMean(self.comm, self.group, averaging, self.precision.reduce_dtype)
+        elif _quantize_gradients(zero.zero_quantized_gradients, inputs.node_split):
+            reducer = QuantizedReduceScatter(self.comm, self.group, averaging, GRAD_QUANT)
+        else:
+            reducer = ReduceScatterMean(self.comm, self.group, averaging, self.precision.reduce_dtype, accumulate=True)
         buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
-                          partitioned=True) for u in reversed(self.trainable)]
+                          partitioned=not alone) for u in reversed(self.trainable)]
         self._bucket_unit = list(reversed(self.trainable))
         self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
                                    counts_in_norm=inputs.counts_in_norm)

@@ -54,6 +54,7 @@ class ExecutionTrace:
         self._mode = True
         self._cursor = 0
         self._warned = False
+        self._stale = False
         self.passes = 0
 
     def start_pass(self, grad_enabled: bool) -> None:
@@ -64,9 +65,18 @@ class ExecutionTrace:
         self._cursor = 0
 
     def commit(self) -> None:
-        if self._recording:
+        if not self._recording:
+            return
+        plan = self._expected
+        followed = plan is not None and self._cursor == len(plan.events) == len(self._recording) and not self._stale
+        if not followed:  # a pass that followed its plan to the end leaves it as it was
             self._traces[self._mode] = _Plan(self._recording)
         self._recording = []
+        self._stale = False
+
+    def units_changed(self) -> None:
+        """An event's list of units grew (a module took an external parameter): the next commit re-plans."""
+        self._stale = True
 
     def record(self, event: Event, units: list[ParamUnit]) -> None:
         self._recording.append((event, units))
