@@ -53,7 +53,9 @@ def check_autocast(cfg: TorchAutocastConfig, device: torch.device) -> None:
         raise ConfigError(problems)
 
 
-_OFF: ContextManager[None] = contextlib.nullcontext()
+AUTOCAST_AS_IS: ContextManager[None] = contextlib.nullcontext()
+"""What the forward's factory returns when autocast is neither on in the config nor on around the engine: the
+engine recognises it by identity and enters no context."""
 
 
 def forward_autocast(cfg: TorchAutocastConfig, device: torch.device) -> Callable[[], ContextManager[None]]:
@@ -64,7 +66,7 @@ def forward_autocast(cfg: TorchAutocastConfig, device: torch.device) -> Callable
 
     def outer_autocast_off() -> ContextManager[None]:
         if not torch.is_autocast_enabled(device.type):
-            return _OFF
+            return AUTOCAST_AS_IS
         note_once(logger, logging.WARNING,
                   "torch.autocast is on around the engine but torch_autocast is not enabled in the config: the engine's "
                   "forward runs without it (fp16/bf16.enabled set its precision), as in DeepSpeed. Enable torch_autocast "

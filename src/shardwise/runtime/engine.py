@@ -34,7 +34,7 @@ from ..config import Config
 from ..distributed import Collectives, Topology
 from ..monitor.reporter import StepFigures
 from ..precision import PrecisionPolicy
-from ..precision.autocast import forward_autocast
+from ..precision.autocast import AUTOCAST_AS_IS, forward_autocast
 from ..profiling.instruments import Instruments
 from ..profiling.memory import MemoryBreakdown
 from ..profiling.noop import NOTHING
@@ -163,31 +163,43 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
 
     # --- training ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._parking.check("engine.forward()", ("lp_params",))
+        # [Note: the forward's fast path] A small model's forward is a few tens of microseconds, and every feature
+        # checked here runs cache-cold between two backwards: each is asked with one attribute test, and the
+        # contexts are entered only when one of them does something.
+        if self._parking.offloaded:
+            self._parking.check("engine.forward()", ("lp_params",))
         if self.precision.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), self.precision.param_dtype)
-        inputs, kwargs = self._curriculum_inputs(inputs, kwargs)  # the legacy seqlen curriculum's cut
+        if self.config.curriculum_learning is not None:
+            inputs, kwargs = self._curriculum_inputs(inputs, kwargs)  # the legacy seqlen curriculum's cut
         self._window_tokens += _token_count(inputs, kwargs)
-        if self.random_ltd_scheduler is not None and self.module.training:
+        module = self.module
+        if self.random_ltd_scheduler is not None and module.training:
             self.random_ltd_scheduler.update_seq(self.global_steps, self.window_micro_steps)
-        with self.out_of_memory.explained("forward"), self.instruments.forward(self.module, self.global_steps), \
-                self._autocast(), self.sequence_witness(self.module.training):
-            try:
-                return self.module(*inputs, **kwargs)
-            except RuntimeError as e:
-                dtype_message = explain_dtype_error(e, inputs, kwargs, self.precision.param_dtype,
+        instrumented = self.instruments.forward(module, self.global_steps)
+        autocast, witness = self._autocast(), self.sequence_witness(module.training)
+        try:
+            if instrumented is NOTHING and witness is NOTHING and autocast is AUTOCAST_AS_IS:
+                return module(*inputs, **kwargs)
+            with instrumented, autocast, witness:
+                return module(*inputs, **kwargs)
+        except (RuntimeError, MemoryError) as error:
+            self.out_of_memory.note("forward", error)
+            if isinstance(error, RuntimeError):
+                dtype_message = explain_dtype_error(error, inputs, kwargs, self.precision.param_dtype,
                                                     self.config.fp16.enabled)
                 if dtype_message:
-                    raise TypeError(dtype_message) from e
-                message = self.strategy.explain_forward_error(e)
+                    raise TypeError(dtype_message) from error
+                message = self.strategy.explain_forward_error(error)
                 if message:
-                    raise RuntimeError(message) from e
-                raise
+                    raise RuntimeError(message) from error
+            raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         self._check_trains("engine.backward(loss)")
         check_loss(loss)
-        self._parking.check("engine.backward(loss)", ("lp_params", "lp_grads"))
+        if self._parking.offloaded:
+            self._parking.check("engine.backward(loss)", ("lp_params", "lp_grads"))
         self._adopt_param_grads("engine.backward(loss)")  # they sum with this backward's, as torch would
         reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
         self._grads_since_step = True
@@ -198,17 +210,28 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
         factor = self.precision.loss_scaler.scale
         if scale_wrt_gas:
             factor /= self.gradient_accumulation_steps()
-        with self.out_of_memory.explained("backward"), self.instruments.backward():
-            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-            with self.instruments.reduce():
+        scaled = loss * factor if factor != 1.0 else loss
+        instrumented, reducing = self.instruments.backward(), self.instruments.reduce()
+        try:  # as the forward's ([Note: the forward's fast path])
+            if instrumented is NOTHING and reducing is NOTHING:
+                scaled.backward(retain_graph=retain_graph)
                 self.strategy.finish_backward()
+            else:
+                with instrumented:
+                    scaled.backward(retain_graph=retain_graph)
+                    with reducing:
+                        self.strategy.finish_backward()
+        except (RuntimeError, MemoryError) as error:
+            self.out_of_memory.note("backward", error)
+            raise
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         self._check_trains("engine.step()")
         if self._in_no_sync:
             raise RuntimeError("engine.step(): called inside engine.no_sync(); leave the context before stepping.")
-        self._parking.check("engine.step()")
+        if self._parking.offloaded:
+            self._parking.check("engine.step()")
         self.checkpoint_writer.check()  # a failed background save is raised here, not lost
         boundary = self.is_gradient_accumulation_boundary()
         if self._adopt_param_grads("engine.step()"):
@@ -217,9 +240,18 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
             self.strategy.begin_backward(boundary)
             with self.instruments.reduce():
                 self.strategy.finish_backward()
-        with self.out_of_memory.explained("step"), self.instruments.step(boundary):
-            if boundary:
-                self._take_model_step(lr_kwargs)
+        instrumented = self.instruments.step(boundary)
+        try:  # as the forward's ([Note: the forward's fast path])
+            if instrumented is NOTHING:
+                if boundary:
+                    self._take_model_step(lr_kwargs)
+            else:
+                with instrumented:
+                    if boundary:
+                        self._take_model_step(lr_kwargs)
+        except (RuntimeError, MemoryError) as error:
+            self.out_of_memory.note("step", error)
+            raise
         self.micro_steps += 1
         self.window_micro_steps = 0 if boundary else self.window_micro_steps + 1
 
@@ -230,7 +262,8 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
                                "evaluation model). Pass optimizer= to initialize or add an \"optimizer\" section to train.")
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
-        self._parking.check("the optimizer step")  # the pipeline engine's train_batch steps here, not in step()
+        if self._parking.offloaded:
+            self._parking.check("the optimizer step")  # the pipeline engine's train_batch steps here, not in step()
         if self._grads_since_step:
             self._last_step = take_step(self.strategy, self.precision.loss_scaler, self.config.gradient_clipping,
                                         self.instruments.allgather, self._grad_norm)

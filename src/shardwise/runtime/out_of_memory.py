@@ -18,11 +18,10 @@ engine stay counted: nothing here can tell them from this engine's temporaries.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,14 +68,11 @@ class OutOfMemoryExplainer:
         self.last: Explanation | None = None
         """The explanation of the last out-of-memory error (its text and the changes that fit)."""
 
-    @contextlib.contextmanager
-    def explained(self, phase: str) -> Iterator[None]:
-        try:
-            yield
-        except (RuntimeError, MemoryError) as error:
-            if is_out_of_memory(error):
-                self._report(phase, error)
-            raise
+    def note(self, phase: str, error: BaseException) -> None:
+        """Called with every RuntimeError and MemoryError the engine's `phase` raises: an out-of-memory one is
+        explained in the log and in a note on the error."""
+        if is_out_of_memory(error):
+            self._report(phase, error)
 
     def _report(self, phase: str, error: BaseException) -> None:
         engine = self.engine

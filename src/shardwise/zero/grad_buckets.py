@@ -161,7 +161,7 @@ class Bucket:
         """Add parameter i's gradient (times `scale`) into its slot."""
         if self.reduced:
             self.reopen()
-        slot, grad = self.slot_view(i), grad.reshape(-1)
+        slot, grad = (self._views[i] if self._views is not None else self.slot_view(i)), grad.reshape(-1)
         if self._filled is not None and not self._filled[i]:
             # The slot holds another step's leftovers: write, as an add into zeros would (the same values).
             if scale == 1.0:
@@ -264,7 +264,7 @@ class GradBuckets:
                         self.on_complete(index)
                     if self.overlap:  # only a bucket just completed can let the next in order go
                         self._launch_ready()
-                if self.overlap:
+                if self.overlap and self._in_flight:
                     self._finish_completed()
 
         return on_grad

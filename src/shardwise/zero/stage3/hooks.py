@@ -75,6 +75,8 @@ class Stage3Hooks:
         self.failure: FailedForward | None = None
         self._names = {id(m): name or "<root>" for name, m in root.named_modules()}
         self._unit_of = {id(p): u for units in units_of.values() for u in units for p in u.params}
+        self._holds_frozen = {id(m) for m, units in units_of.items() if any(u.master is None for u in units)}
+        """The modules with a frozen unit: only their backward is followed by `post_backward`."""
         self._handles = []
         for module in units_of:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True))
@@ -93,13 +95,16 @@ class Stage3Hooks:
             return
         self.units_of[self.running[-1]].append(unit)
         self.trace.units_changed()
+        if unit.master is None:
+            self._holds_frozen.add(id(self.running[-1]))
         unit.users += 1
         unit.wait(approximate=True)
 
     def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
         self.trace.record(event, units)
         for unit in units:
-            unit.gather_async(approximate=True)
+            if unit.state is UnitState.SHARDED:
+                unit.gather_async(approximate=True)
         self._prefetch()
         for unit in units:
             unit.wait(approximate=True)
@@ -137,7 +142,7 @@ class Stage3Hooks:
         for unit in units:
             unit.users += 1
         self._fetch(("forward", id(module)), units)
-        if not torch.is_grad_enabled() or all(unit.master is not None for unit in units):
+        if id(module) not in self._holds_frozen or not torch.is_grad_enabled():
             return None  # what runs after this module's backward releases frozen units only (`post_backward`)
         flat = [(i, t) for i, t in enumerate(args) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not flat:

@@ -155,7 +155,8 @@ class ParamUnit:
 
     def wait(self, approximate: bool = False) -> None:
         """Block until full; afterwards the module's parameters hold the whole tensors."""
-        self.gather_async(approximate)
+        if self.state is UnitState.SHARDED:
+            self.gather_async(approximate)
         if self.state is UnitState.GATHERING:
             self._pending.wait()
             self._pending = self._source = None
