@@ -213,10 +213,20 @@ def environment() -> dict[str, Any]:
     env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
            "host": platform.node(), "shardwise_source": source_state()}
     try:
-        env["deepspeed"] = importlib.metadata.version("deepspeed")
+        version = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
-        env["deepspeed"] = "not installed"
+        version = "not installed"
+    # In .venv "deepspeed" is shardwise's compatibility package: named as such, so that it is never read as the
+    # version of the DeepSpeed a figure was measured against (a peer runs in its own interpreter: `peer_version`).
+    env["deepspeed_compat" if version.endswith("+shardwise") else "deepspeed"] = version
     return env
+
+
+def peer_version(python: str, package: str = "deepspeed") -> str:
+    """The version of `package` installed for another interpreter (a peer's venv)."""
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"
 
 
 def write_report(report: dict[str, Any], out: str | Path) -> None:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, print_columns, spawn,
-                      token_batches)
+from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, peer_version, print_columns,
+                      spawn, token_batches)
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}
 
@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     cell[kind].append(_run(args, model_name, kind, world))
                     log(model_name, world, kind, cell[kind][-1])
     report: dict[str, Any] = {"benchmark": "engine_overhead", "setup": {"warmup": args.warmup, "steps": args.steps,
-                              "rounds": args.rounds, "threads_per_rank": 1, **environment()}, "cells": {}}
+                              "rounds": args.rounds, "threads_per_rank": 1, **environment(),
+                              "deepspeed_peer": peer_version(args.deepspeed_python) if args.deepspeed_python else "not run"},
+                              "cells": {}}
     rows = [["cell", "config", "wall ms", "cpu ms", "over torch", "over deepspeed-S"]]
     for name, cell in results.items():
         out = report["cells"][name] = {}
