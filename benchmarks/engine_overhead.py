@@ -16,7 +16,12 @@ Ratios are paired: the median over rounds of the two configurations' ratio withi
 
     .venv/bin/python benchmarks/engine_overhead.py --deepspeed-python .dsvenv/bin/python
 
-Writes benchmarks/results/engine_overhead.json.
+Writes benchmarks/results/engine_overhead.json. On a machine whose speed drifts between processes (a shared VM:
+the plain loop's own time varied 2x between runs here), `--paired` is the figure to quote: at world 1, each stage
+and the plain loop alternate iteration by iteration in one process, and each iteration's ratio is taken
+(benchmarks/results/engine_overhead_paired.json):
+
+    .venv/bin/python benchmarks/engine_overhead.py --paired --stages 1,2,3 --steps 2000 --models gan
 """
 
 from __future__ import annotations
@@ -132,6 +137,52 @@ def _run_here(model_name: str, kind: str, world: int, warmup: int, steps: int) -
     return {k: round(v, 4) for k, v in slowest.items()}
 
 
+def _paired_main(rank: int, model_name: str, stage: int, warmup: int, steps: int) -> dict[str, Any]:
+    """The plain loop and shardwise at `stage` in one process, alternating iteration by iteration: both see the
+    same machine at the same moment, so their ratio holds on a VM whose speed drifts between processes."""
+    import torch
+
+    torch.set_num_threads(1)
+    plain, engine = _loop(model_name, "torch", 0, 1), _loop(model_name, "shardwise", stage, 1)
+    torch.set_num_threads(1)
+    ratios, walls = [], {"torch": [], "shardwise": []}
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        plain(i)
+        middle = time.perf_counter()
+        engine(i)
+        end = time.perf_counter()
+        if i >= warmup:
+            walls["torch"].append(middle - start)
+            walls["shardwise"].append(end - middle)
+            ratios.append((end - middle) / (middle - start))
+    ratios.sort()
+    return {"torch_ms": 1e3 * statistics.median(walls["torch"]), "shardwise_ms": 1e3 * statistics.median(walls["shardwise"]),
+            "over_torch": statistics.median(ratios), "p10": ratios[len(ratios) // 10], "p90": ratios[9 * len(ratios) // 10]}
+
+
+def paired(args: argparse.Namespace) -> dict[str, Any]:
+    """--paired: world 1 only, each stage against the plain loop in the same process."""
+    report: dict[str, Any] = {"benchmark": "engine_overhead_paired", "setup": {
+        "warmup": args.warmup, "steps": args.steps, "threads_per_rank": 1, "world": 1, **environment()}, "cells": {}}
+    load = LoadSampler()
+    rows = [["model", "stage", "torch ms", "shardwise ms", "over torch (p10-p90)"]]
+    for model_name in args.models.split(","):
+        for stage in [0] + [int(s) for s in args.stages.split(",")]:
+            ranks = spawn(_paired_main, 1, (model_name, stage, args.warmup, args.steps), timeout=1800)
+            cell = ranks if isinstance(ranks, dict) else {k: round(v, 4) for k, v in ranks[0].items()}
+            report["cells"][f"{model_name}-shardwise-{stage}"] = cell
+            log(model_name, stage, cell)
+            if "error" not in cell:
+                rows.append([model_name, stage, cell["torch_ms"], cell["shardwise_ms"],
+                             f"{cell['over_torch']} ({cell['p10']}-{cell['p90']})"])
+    report["load"] = load.summary()
+    out = args.out if args.out != str(RESULTS / "engine_overhead.json") else str(RESULTS / "engine_overhead_paired.json")
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print_columns(rows)
+    return report
+
+
 def _run(args: argparse.Namespace, model_name: str, kind: str, world: int) -> dict[str, Any]:
     """One configuration in fresh processes; DeepSpeed's in the other venv's Python."""
     if not kind.startswith("deepspeed"):
@@ -153,12 +204,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--paired", action="store_true", help="world 1: each stage and the plain loop alternating "
+                        "in one process (engine_overhead_paired.json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "engine_overhead.json"))
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_run_here(*json.loads(args.child))))
         return {}
+    if args.paired:
+        return paired(args)
     stages = [int(s) for s in args.stages.split(",")]
     kinds = ["torch", "shardwise-0"] + [f"shardwise-{s}" for s in stages]
     if args.deepspeed_python:
