@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, peer_version, print_columns,
-                      spawn, token_batches)
+                      spawn, token_batches, write_report)
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}
 
@@ -177,8 +177,7 @@ def paired(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append([model_name, stage, cell["torch_ms"], cell["shardwise_ms"],
                              f"{cell['over_torch']} ({cell['p10']}-{cell['p90']})"])
     report["load"] = load.summary()
-    out = args.out if args.out != str(RESULTS / "engine_overhead.json") else str(RESULTS / "engine_overhead_paired.json")
-    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out or RESULTS / "engine_overhead_paired.json")
     print_columns(rows)
     return report
 
@@ -207,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--paired", action="store_true", help="world 1: each stage and the plain loop alternating "
                         "in one process (engine_overhead_paired.json)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(RESULTS / "engine_overhead.json"))
+    parser.add_argument("--out", default=None, help="default: results/engine_overhead.json (--paired: "
+                        "engine_overhead_paired.json)")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(_run_here(*json.loads(args.child))))
@@ -251,8 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append([name, kind, out[kind]["wall_ms"], out[kind]["cpu_ms"], out[kind].get("over_torch", ""),
                          out[kind].get("over_deepspeed", "")])
     report["load"] = load.summary()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.out or RESULTS / "engine_overhead.json")
     print_columns(rows)
     return report
 

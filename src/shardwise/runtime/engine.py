@@ -212,15 +212,11 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
             factor /= self.gradient_accumulation_steps()
         scaled = loss * factor if factor != 1.0 else loss
         instrumented, reducing = self.instruments.backward(), self.instruments.reduce()
-        try:  # as the forward's ([Note: the forward's fast path])
-            if instrumented is NOTHING and reducing is NOTHING:
+        try:  # an except clause, not a context to build ([Note: the forward's fast path])
+            with instrumented:
                 scaled.backward(retain_graph=retain_graph)
-                self.strategy.finish_backward()
-            else:
-                with instrumented:
-                    scaled.backward(retain_graph=retain_graph)
-                    with reducing:
-                        self.strategy.finish_backward()
+                with reducing:
+                    self.strategy.finish_backward()
         except (RuntimeError, MemoryError) as error:
             self.out_of_memory.note("backward", error)
             raise
@@ -241,14 +237,10 @@ class Engine(DeepSpeedSurface, DataEfficiencySurface, ConsolidatedWeights, torch
             with self.instruments.reduce():
                 self.strategy.finish_backward()
         instrumented = self.instruments.step(boundary)
-        try:  # as the forward's ([Note: the forward's fast path])
-            if instrumented is NOTHING:
+        try:  # an except clause, not a context to build ([Note: the forward's fast path])
+            with instrumented:
                 if boundary:
                     self._take_model_step(lr_kwargs)
-            else:
-                with instrumented:
-                    if boundary:
-                        self._take_model_step(lr_kwargs)
         except (RuntimeError, MemoryError) as error:
             self.out_of_memory.note("step", error)
             raise
