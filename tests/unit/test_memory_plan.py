@@ -13,6 +13,7 @@ import torch
 
 from shardwise.planner import ActivationProfile, ModelShape, plan
 from shardwise.zero import set_z3_leaf_modules
+from shardwise.zero.stage3.leaf import set_leaves_by_granularity
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape(trainable=1_000_000, module_sizes=(400_000, 300_000, 200_000, 50_000, 50_000))
@@ -72,6 +73,38 @@ def test_stage3_window_counts_a_leaf_modules_units_as_gathered_at_once() -> None
     assert ModelShape.of(model).leaf_groups == ()
     set_z3_leaf_modules(model, [torch.nn.Sequential])  # the root and its inner Sequential: the root is outermost
     assert ModelShape.of(model).leaf_groups == ((72, 36, 40),)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)  # 288 + 264 elements, granularity 184
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(500))  # the largest unit, smaller than a block's 552
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])  # a container: never a leaf
+
+
+def test_stage3_window_knows_the_leaves_a_granularity_threshold_will_mark() -> None:
+    """A plan is made before initialize: the leaves stage3_module_granularity_threshold will mark count as the
+    engine's marks do (set_leaves_by_granularity, what the engine runs, marks a copy here)."""
+    zero = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0)
+    shape = ModelShape.of(_Net())
+    assert ModelShape.from_json(shape.to_json()) == shape
+    marked = _Net()
+    assert set_leaves_by_granularity(marked, 200)[0] == list(marked.blocks)  # the root's granularity is 1676 / 8
+
+    def window(model_shape: ModelShape, threshold: int) -> int:
+        config = _cfg(3, stage3_module_granularity_threshold=threshold, **zero)
+        return plan(model_shape, config, 2).part("zero3_window").device
+
+    assert window(shape, 0) == 4 * 500  # no leaves: the largest unit runs alone
+    assert window(shape, 200) == window(ModelShape.of(marked), 0) == 4 * 552  # a block's two units at once
+    assert window(shape, 100) == 4 * 500  # below every granularity: nothing marked
 
 
 def test_stage2_staging_is_bounded_by_the_buckets_in_flight() -> None:

@@ -159,10 +159,12 @@ def _window(shape: ModelShape, cfg: Config) -> int:
     will use it again within `stage3_max_reuse_distance` elements of other gathers, which in backward's
     reverse order keeps the last `max_reuse_distance` elements of the forward; on top, the running unit and
     the prefetch bucket ahead of it, within `stage3_max_live_parameters`. A leaf module's units are gathered
-    at once: together they count as one."""
+    at once: together they count as one (leaves marked on the model, and those `stage3_module_granularity_threshold`
+    will mark)."""
     zero = cfg.zero_optimization
     units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold]
-    leaves = [sum(s for s in group if s >= zero.stage3_param_persistence_threshold) for group in shape.leaf_groups]
+    leaves = [sum(s for s in group if s >= zero.stage3_param_persistence_threshold)
+              for group in shape.leaf_groups_at(zero.stage3_module_granularity_threshold)]
     total, largest = sum(units), max(units + leaves, default=0)
     kept = min(total, zero.stage3_max_reuse_distance)
     ahead = min(zero.stage3_prefetch_bucket_size, max(zero.stage3_max_live_parameters - largest, 0))

@@ -41,35 +41,52 @@ class ModelShape:
     """Elements owned directly by each module with parameters, in registration order: ZeRO-3 gathers
     parameters module by module, so its live window is counted in these units."""
     leaf_groups: tuple[tuple[int, ...], ...] = ()
-    """Per ZeRO-3 leaf module (zero/stage3/leaf.py: marked by class, or by granularity once an engine marked
-    them), the `module_sizes` of its subtree: a leaf's forward gathers them all at once."""
+    """Per ZeRO-3 leaf module marked on the model (zero/stage3/leaf.py: by class, or by granularity once an
+    engine marked them), the `module_sizes` of its subtree: a leaf's forward gathers them all at once."""
+    granularity_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """Per module that `stage3_module_granularity_threshold` may make a leaf: (its granularity, the
+    `module_sizes` of its subtree), so that a plan knows the leaves a threshold will mark before any engine
+    has marked them ([Note: leaves by granularity])."""
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModelShape:
-        from ..zero.stage3.leaf import outermost_leaves
+        from ..zero.stage3.leaf import granularities, outermost_leaves
 
         params = list(dict.fromkeys(module.parameters()))  # a tied parameter once
 
         def sizes(modules: Any) -> tuple[int, ...]:
             return tuple(s for s in (sum(whole_numel(p) for p in m.parameters(recurse=False)) for m in modules) if s)
 
+        candidates = granularities(module)
         return cls(trainable=sum(whole_numel(p) for p in params if p.requires_grad),
                    frozen=sum(whole_numel(p) for p in params if not p.requires_grad),
                    param_bytes=params[0].element_size() if params else 4,
                    module_sizes=sizes(module.modules()),
-                   leaf_groups=tuple(group for leaf in outermost_leaves(module) if (group := sizes(leaf.modules()))))
+                   leaf_groups=tuple(group for leaf in outermost_leaves(module) if (group := sizes(leaf.modules()))),
+                   granularity_groups=tuple((candidates[id(m)], sizes(m.modules())) for m in module.modules()
+                                            if id(m) in candidates))
+
+    def leaf_groups_at(self, granularity_threshold: int) -> tuple[tuple[int, ...], ...]:
+        """The marked leaves' groups and those `granularity_threshold` would mark. A module chosen by the
+        threshold may lie inside another chosen one (the engine marks only the outermost); its group is then
+        part of its ancestor's, so the largest group, which is what a plan needs, is the same."""
+        if granularity_threshold <= 0:
+            return self.leaf_groups
+        return self.leaf_groups + tuple(group for g, group in self.granularity_groups if g <= granularity_threshold)
 
     @property
     def total(self) -> int:
         return self.trainable + self.frozen
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "leaf_groups": [list(group) for group in self.leaf_groups]}
+        return {**dataclasses.asdict(self), "leaf_groups": [list(group) for group in self.leaf_groups],
+                "granularity_groups": [[g, list(group)] for g, group in self.granularity_groups]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelShape:
         return cls(**{**data, "module_sizes": tuple(data.get("module_sizes", ())),
-                      "leaf_groups": tuple(tuple(g) for g in data.get("leaf_groups", ()))})
+                      "leaf_groups": tuple(tuple(g) for g in data.get("leaf_groups", ())),
+                      "granularity_groups": tuple((g, tuple(group)) for g, group in data.get("granularity_groups", ()))})
 
 
 @dataclass(frozen=True)
