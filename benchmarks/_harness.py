@@ -188,6 +188,13 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
     return round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
 
+def paired_spread(a: list[float], b: list[float]) -> dict[str, float]:
+    """`paired_ratio` with its 10th-90th percentile spread: median, p10 and p90 of a_i / b_i."""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    deciles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
+    return {"median": round(statistics.median(ratios), 4), "p10": round(deciles[0], 4), "p90": round(deciles[-1], 4)}
+
+
 def verdict(value: float | None, target: float, at_most: bool = True) -> dict[str, Any]:
     if value is None:
         return {"value": None, "target": target, "met": None}

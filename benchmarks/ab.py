@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import REPO_ROOT, RESULTS, LoadSampler, free_port, log, print_columns, pyplot, save_figure
+from _harness import (REPO_ROOT, RESULTS, LoadSampler, free_port, log, paired_spread, print_columns, pyplot,
+                      save_figure)
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_ab_rank.py"
 HISTORY = RESULTS / "history.jsonl"
@@ -112,13 +113,6 @@ class Lane:
                 rank.kill()
 
 
-def paired(a: list[float], b: list[float]) -> dict[str, float]:
-    """Median of a_i / b_i and its 10th-90th percentile spread."""
-    ratios = sorted(x / y for x, y in zip(a, b))
-    deciles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
-    return {"median": round(statistics.median(ratios), 4), "p10": round(deciles[0], 4), "p90": round(deciles[-1], 4)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     base, head = resolve(args.base), resolve(args.head)
     trees = {rev: checkout(rev, Path(args.trees)) for rev in (base, head)}
@@ -144,10 +138,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timed = {lane.name: (lane.walls[args.warmup:], lane.cpus[args.warmup:]) for lane in lanes}
     floor_wall, floor_cpu = timed["floor"]
     per_lane = {name: {"median_step_s": round(statistics.median(w), 4), "median_cpu_s": round(statistics.median(c), 4),
-                       "over_floor": paired(w, floor_wall), "cpu_over_floor": paired(c, floor_cpu)}
+                       "over_floor": paired_spread(w, floor_wall), "cpu_over_floor": paired_spread(c, floor_cpu)}
                 for name, (w, c) in timed.items()}
-    head_over_base = {f"zero-{s}": {"wall": paired(timed[f"head-zero-{s}"][0], timed[f"base-zero-{s}"][0]),
-                                    "cpu": paired(timed[f"head-zero-{s}"][1], timed[f"base-zero-{s}"][1])}
+    head_over_base = {f"zero-{s}": {"wall": paired_spread(timed[f"head-zero-{s}"][0], timed[f"base-zero-{s}"][0]),
+                                    "cpu": paired_spread(timed[f"head-zero-{s}"][1], timed[f"base-zero-{s}"][1])}
                       for s in args.stages}
     return {"benchmark": "ab", "base": base, "head": head if head != "." else f"{resolve('HEAD')}+worktree",
             "setup": {"preset": args.preset, "seq_len": args.seq_len, "micro_batch": args.micro_batch,

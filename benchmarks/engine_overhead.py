@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, peer_version, print_columns,
-                      spawn, token_batches, write_report)
+from _harness import (REPO_ROOT, RESULTS, LoadSampler, environment, log, paired_ratio, paired_spread, peer_version,
+                      print_columns, spawn, token_batches, write_report)
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}
 
@@ -145,7 +145,7 @@ def _paired_main(rank: int, model_name: str, stage: int, warmup: int, steps: int
     torch.set_num_threads(1)
     plain, engine = _loop(model_name, "torch", 0, 1), _loop(model_name, "shardwise", stage, 1)
     torch.set_num_threads(1)
-    ratios, walls = [], {"torch": [], "shardwise": []}
+    walls = {"torch": [], "shardwise": []}
     for i in range(warmup + steps):
         start = time.perf_counter()
         plain(i)
@@ -155,10 +155,9 @@ def _paired_main(rank: int, model_name: str, stage: int, warmup: int, steps: int
         if i >= warmup:
             walls["torch"].append(middle - start)
             walls["shardwise"].append(end - middle)
-            ratios.append((end - middle) / (middle - start))
-    ratios.sort()
+    spread = paired_spread(walls["shardwise"], walls["torch"])
     return {"torch_ms": 1e3 * statistics.median(walls["torch"]), "shardwise_ms": 1e3 * statistics.median(walls["shardwise"]),
-            "over_torch": statistics.median(ratios), "p10": ratios[len(ratios) // 10], "p90": ratios[9 * len(ratios) // 10]}
+            "over_torch": spread["median"], "p10": spread["p10"], "p90": spread["p90"]}
 
 
 def paired(args: argparse.Namespace) -> dict[str, Any]:
