@@ -90,6 +90,29 @@ def test_shm_collectives_equal_gloo(world, region_bytes, chunk):
             assert torch.equal(a, b)
 
 
+def _synchronisations_per_reduce_scatter() -> list[int]:
+    group, ours, _ = _setup(SMALL_REGION)
+    world, floats = group.size, SMALL_REGION // 4
+    channel = ours._channel(group, torch.empty(0))
+    counts = []
+    for per_peer in (floats // (world - 1), floats // (world - 1) + 1):
+        x = torch.arange(world * per_peer, dtype=torch.float32) * (group.rank + 1)
+        out = torch.empty(per_peer)
+        before = channel._seq
+        ours.reduce_scatter(out, x, group).wait()
+        counts.append(channel._seq - before)
+        expected = torch.arange(world * per_peer, dtype=torch.float32).view(world, -1)[group.rank] * sum(range(1, world + 1))
+        assert torch.equal(out, expected)
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_reduce_scatter_fills_the_region_with_what_the_peers_need(world):
+    # A rank sends nothing to itself: its region holds world - 1 parts, so a piece carries a full region's
+    # worth and a reduce-scatter of a region per rank is one synchronisation, not `world` of them.
+    assert run_distributed(_synchronisations_per_reduce_scatter, world) == [[1, 2]] * world
+
+
 def _overlap() -> None:
     group, ours, _ = _setup(SMALL_REGION)
     flats = [torch.full((4096,), float(group.rank + k)) for k in range(8)]
