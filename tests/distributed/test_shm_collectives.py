@@ -113,6 +113,45 @@ def test_a_reduce_scatter_fills_the_region_with_what_the_peers_need(world):
     assert run_distributed(_synchronisations_per_reduce_scatter, world) == [[1, 2]] * world
 
 
+def _coalesced_gathers() -> tuple[int, int]:
+    group, ours, gloo = _setup(SMALL_REGION)
+    world, rank = group.size, group.rank
+    floats = SMALL_REGION // 4
+    # Shards smaller than a piece, one spanning several, an empty one and one ending on a piece's edge.
+    sizes = [5, floats // 3, 0, 2 * floats + 7, 1, floats - 13, 3]
+    shards = [torch.randn(n) + 10 * rank for n in sizes]
+    expected = []
+    for shard in shards:
+        out = torch.empty(world * shard.numel())
+        gloo.all_gather(out, shard, group).wait()
+        expected.append(out)
+    channel = ours._channel(group, torch.empty(0))
+    outputs = [torch.full((world * n,), float("nan")) for n in sizes]
+    in_place = outputs[3].view(world, -1)[rank]  # a unit's own slice may be its chunk of the output
+    in_place.copy_(shards[3])
+    sources = shards[:3] + [in_place] + shards[4:]
+    before, calls = channel._seq, ours.stats.calls("all_gather")
+    pending = ours.all_gather_coalesced(outputs, sources, group)
+    pending[1].wait()  # whole before the stream ends
+    assert torch.equal(outputs[1], expected[1])
+    for p in pending:
+        p.wait()
+    for out, exp in zip(outputs, expected):
+        assert torch.equal(out, exp)
+    assert ours.stats.calls("all_gather") - calls == len(sizes)  # counted as the gathers they are
+    coalesced = channel._seq - before
+    before = channel._seq
+    for out, shard in zip(outputs, shards):
+        ours.all_gather(out, shard, group).wait()
+    return coalesced, channel._seq - before
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_gathers_share_pieces_and_equal_separate_ones(world):
+    # 3 * floats + 7 + small ones: four region-sized pieces together, nine pieces one by one.
+    assert run_distributed(_coalesced_gathers, world) == [(4, 9)] * world
+
+
 def _overlap() -> None:
     group, ours, _ = _setup(SMALL_REGION)
     flats = [torch.full((4096,), float(group.rank + k)) for k in range(8)]
@@ -166,6 +205,31 @@ def _peer_never_arrives(dead_pid: int) -> None:
             with pytest.raises(CollectiveError, match="earlier shared-memory collective"):
                 comm.all_reduce(x, group).wait()  # the channel stays failed: its ranks are out of step
         dist.barrier()
+
+
+def _peer_exits_during_coalesced_gathers(dead_pid: int) -> None:
+    group, _, _ = _setup(SMALL_REGION)
+    shards = [torch.ones(n) for n in (3, 300, 5)]  # the second spans two pieces
+    outputs = [torch.empty(2 * s.numel()) for s in shards]
+    comm = Collectives(timeout_s=30, shm=True)
+    channel = comm._channel(group, shards[0])
+    if group.rank == 0:
+        channel.pids[1] = dead_pid
+        for pending in comm.all_gather_coalesced(outputs, shards, group):  # each fails at once, none waits 30 s
+            with pytest.raises(CollectiveError, match="exited"):
+                pending.wait()
+        for pending in comm.all_gather_coalesced(outputs, shards, group):
+            with pytest.raises(CollectiveError, match="earlier shared-memory collective"):
+                pending.wait()
+    dist.barrier()
+
+
+def test_a_peer_lost_in_coalesced_gathers_fails_every_one_of_them():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    started = time.monotonic()
+    run_distributed(_peer_exits_during_coalesced_gathers, 2, child.pid, timeout=60)
+    assert time.monotonic() - started < 25
 
 
 def test_a_missing_peer_is_a_named_error_not_a_hang():

@@ -182,6 +182,28 @@ def test_prefetching_stays_within_the_prefetch_bucket():
     assert run_distributed(_prefetch_peak, 2, 2 * 272)[0] == 3 * 272
 
 
+def _forward_gathers_and_synchronisations():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(8)))  # 8 units of 272 elements
+    zero = {**EAGER, "stage3_max_reuse_distance": 10**9}  # nothing released and regathered within the forward
+    engine, *_ = shardwise.initialize(model=layers, model_parameters=layers.parameters(),
+                                      config=ds_config(2, 1, zero_optimization=zero))
+    channel = engine.comm._channel(engine.strategy.group, torch.empty(0))
+    for step in range(3):
+        seq, gathers = channel._seq, engine.strategy.live.gathers
+        loss = engine(torch.randn(2, 16)).square().mean()
+        forward = (engine.strategy.live.gathers - gathers, channel._seq - seq)
+        engine.backward(loss)
+        engine.step()
+    return forward
+
+
+def test_prefetched_units_share_one_collective_stream():
+    # By the third step the recorded order prefetches all 8 units at the root's forward: on shared memory their
+    # gathers travel as one stream, and 8 slices of 136 elements fit one piece (one each before coalescing).
+    assert run_distributed(_forward_gathers_and_synchronisations, 2) == [(8, 1)] * 2
+
+
 def _gathered():
     engine = _engine(ds_config(2, 1, zero_optimization=EAGER))
     weight = engine.module.hidden.weight

@@ -237,6 +237,23 @@ class Collectives:
 
         return self._issue("all_gather", group, output_flat, per_rank)
 
+    def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], group: Group) -> list[Pending]:
+        """`all_gather(outputs[i], shards[i], group)` for each i, in order, one pending each; counted and numbered as
+        that many all-gathers. On a shared-memory channel gathers of one dtype travel as one stream, so small ones
+        share synchronisations (`ShmChannel.all_gather_many`); elsewhere they are issued one by one."""
+        channel = self._channel(group, *outputs, *shards) if len(outputs) > 1 else None
+        if channel is None or len({s.dtype for s in (*outputs, *shards)}) > 1:
+            return [self.all_gather(output, shard, group) for output, shard in zip(outputs, shards)]
+        stream: list = []
+
+        def launch(call: int, i: int) -> object:
+            if not stream:  # the first of them: the collectives numbered call, call + 1, ... are these
+                stream.extend(channel.all_gather_many(outputs, shards, list(range(call, call + len(outputs)))))
+            return stream[i]
+
+        return [self._issue("all_gather", group, output, lambda call, i=i: launch(call, i), channel)
+                for i, output in enumerate(outputs)]
+
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> Pending:
         """Exchange chunks: `input` (flat) is group.size equal chunks, chunk r going to rank r of the group;
         `output` (flat, the same size, not overlapping `input`) receives chunk `group.rank` of every rank, in

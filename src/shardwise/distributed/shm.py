@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import mmap
 import os
 import platform
@@ -148,18 +149,22 @@ class ShmChannel:
         same_pids = len({ns for _, _, (_, ns) in offers}) == 1  # else a peer's pid means nothing here
         return cls(maps, rank, region_bytes, timeout_s, [pid if same_pids else None for _, _, (pid, _) in offers])
 
-    def _submit(self, run: Callable[[], None], op: str, call: int) -> ShmWork:
+    def _submit(self, run: Callable[[], None], op: str, call: int, parts: list[ShmWork] = ()) -> ShmWork:
         """Queue a collective (number `call` of the group, for error messages) on the worker; it runs after
-        those queued before."""
+        those queued before. `parts`: works that `run` completes itself (`all_gather_many`); those it has not
+        completed when it fails get its error."""
 
         def guarded() -> None:
-            if self._broken is not None:  # the ranks' sequence numbers no longer agree
-                raise RuntimeError(f"an earlier shared-memory collective of this group failed: {self._broken}")
-            struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, call, _OPS.index(op))
             try:
+                if self._broken is not None:  # the ranks' sequence numbers no longer agree
+                    raise RuntimeError(f"an earlier shared-memory collective of this group failed: {self._broken}")
+                struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, call, _OPS.index(op))
                 run()
             except BaseException as e:
-                self._broken = str(e)
+                self._broken = self._broken or str(e)
+                for part in parts:
+                    if not part.is_completed():
+                        part.finish(e)
                 raise
 
         work = ShmWork(guarded)
@@ -230,6 +235,46 @@ class ShmChannel:
                 chunks[self.rank].copy_(shard)
 
         return self._submit(run, "all_gather", call)
+
+    def all_gather_many(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], calls: list[int]) -> list[ShmWork]:
+        """Several all-gathers (collectives `calls`, of one dtype) as one stream of pieces: the end of one shard and
+        the start of the next share a piece, so small gathers issued together take fewer synchronisations than
+        one each. Each gather's work completes as soon as its own output is whole, not at the end of the stream."""
+        parts = [ShmWork(None) for _ in outputs]
+        ends = list(itertools.accumulate(s.numel() for s in shards))
+        starts = [end - s.numel() for end, s in zip(ends, shards)]
+
+        def finish_own(i: int) -> None:
+            own = outputs[i].view(self.size, -1)[self.rank]
+            if own.data_ptr() != shards[i].data_ptr():
+                own.copy_(shards[i])
+            parts[i].finish(None)
+
+        def run() -> None:
+            done, dtype = 0, shards[0].dtype  # the gathers before `done` are complete
+            for lo, hi in self._pieces(ends[-1], shards[0].element_size(), 1):
+                slot = self._seq % 2
+                segments, i = [], done
+                while i < len(shards) and starts[i] < hi:
+                    segments.append((i, max(lo, starts[i]), ends[i] if ends[i] < hi else hi))
+                    i += 1
+                mine = self._region(self.rank, slot, dtype)
+                for i, a, b in segments:
+                    if a == starts[i]:
+                        struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, calls[i], _OPS.index("all_gather"))
+                    mine[a - lo : b - lo].copy_(shards[i][a - starts[i] : b - starts[i]])
+                self._publish_and_wait()
+                for k in range(self.size):
+                    if k != self.rank:
+                        theirs = self._region(k, slot, dtype)
+                        for i, a, b in segments:
+                            outputs[i].view(self.size, -1)[k][a - starts[i] : b - starts[i]].copy_(theirs[a - lo : b - lo])
+                while done < len(shards) and ends[done] <= hi:
+                    finish_own(done)
+                    done += 1
+
+        self._submit(run, "all_gather", calls[0], parts)
+        return parts
 
     def broadcast(self, tensor: torch.Tensor, src: int, call: int = 0) -> ShmWork:
         def run() -> None:

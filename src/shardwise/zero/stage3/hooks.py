@@ -21,7 +21,7 @@ import torch
 
 from .reads import partitioned_in_frames, unwatch, watch
 from .trace import ExecutionTrace
-from .unit import LiveParams, ParamUnit, UnitState
+from .unit import LiveParams, ParamUnit, UnitState, gather_units
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -102,9 +102,7 @@ class Stage3Hooks:
 
     def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
         self.trace.record(event, units)
-        for unit in units:
-            if unit.state is UnitState.SHARDED:
-                unit.gather_async(approximate=True)
+        gather_units(units, approximate=True)
         self._prefetch()
         for unit in units:
             unit.wait(approximate=True)
@@ -119,19 +117,22 @@ class Stage3Hooks:
             # window is a part of that one. (Without this, a budget above the model rescans the rest of
             # the pass at every hook: ~0.1 s per step for 110 units.)
             return
-        budget, counted = self.prefetch_numel, set()
+        budget, counted, starting, live = self.prefetch_numel, set(), [], self.live.live
         for unit in self.trace.upcoming():  # never persistent units: they are always gathered
             if id(unit) in counted:
                 continue
             counted.add(id(unit))
             if unit.numel > budget:
-                return
+                break
             budget -= unit.numel
             if unit.state is UnitState.SHARDED:
-                if self.live.live + unit.numel > self.max_live:
-                    return
-                unit.gather_async(approximate=True)
-        self._all_ahead_fetched = now
+                if live + unit.numel > self.max_live:
+                    break
+                live += unit.numel
+                starting.append(unit)
+        else:
+            self._all_ahead_fetched = now
+        gather_units(starting, approximate=True)  # together: small units share the collective's pieces
 
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         if module is self.root:

@@ -136,8 +136,16 @@ class ParamUnit:
     def gather_async(self, approximate: bool = False) -> None:
         """Start the all-gather if the unit is sharded; a no-op when gathering or full. `approximate` allows
         ZeRO++'s shortcuts ([Note: approximate gathers])."""
-        if self.state is not UnitState.SHARDED:
-            return
+        gather_units([self], approximate)
+
+    def _plain(self, approximate: bool) -> bool:
+        """Whether its gather is an exact all-gather of the stored slice over `group` (which may share a coalesced
+        collective with other units'), not one of ZeRO++'s shortcuts."""
+        return not (approximate and not self.persistent and (self.secondary is not None or self.quant is not None))
+
+    def _start(self, approximate: bool) -> None:
+        """SHARDED -> GATHERING: the storage, the source and the count; a shortcut gather is issued here, a plain
+        one by the caller (`gather_units`), into `_pending`."""
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         approximate = approximate and not self.persistent
         if approximate and self.secondary is not None:
@@ -146,8 +154,6 @@ class ParamUnit:
             self._source = self.home.fetch(self.index, self.shard, self.full.device)  # alive until the gather is done
             if approximate and self.quant is not None:
                 self._pending = quantized_all_gather(self.comm, self.full, self._source, self.group, self.quant)
-            else:
-                self._pending = self.comm.all_gather(self.full, self._source, self.group)
         self.exact = not approximate or self.quant is None
         self.state = UnitState.GATHERING
         if not self.persistent:
@@ -198,6 +204,32 @@ class ParamUnit:
         if not self.persistent:
             self.live.live -= self.numel
             self.live.releases += 1
+
+
+def gather_units(units: list[ParamUnit], approximate: bool = False) -> None:
+    """Start the gathers of the sharded `units`, in order (the same on every rank). Consecutive plain gathers over
+    one group travel as one coalesced collective: on shared memory the units' slices share pieces, so a run of
+    small units costs fewer synchronisations than one each, and each unit is whole as soon as its own part is."""
+    batch: list[ParamUnit] = []
+
+    def issue() -> None:
+        if batch:
+            first = batch[0]
+            pending = first.comm.all_gather_coalesced([u.full for u in batch], [u._source for u in batch], first.group)
+            for unit, p in zip(batch, pending):
+                unit._pending = p
+            batch.clear()
+
+    for unit in units:
+        if unit.state is not UnitState.SHARDED:
+            continue
+        plain = unit._plain(approximate)
+        if batch and not (plain and unit.group is batch[0].group and unit.comm is batch[0].comm):
+            issue()
+        unit._start(approximate)
+        if plain:
+            batch.append(unit)
+    issue()
 
 
 @contextlib.contextmanager
