@@ -102,7 +102,10 @@ class Stage3Hooks:
 
     def _fetch(self, event: tuple[str, int], units: list[ParamUnit]) -> None:
         self.trace.record(event, units)
-        gather_units(units, approximate=True)
+        for unit in units:
+            if unit.state is UnitState.SHARDED:
+                gather_units(units, approximate=True)
+                break
         self._prefetch()
         for unit in units:
             unit.wait(approximate=True)
@@ -132,7 +135,8 @@ class Stage3Hooks:
                 starting.append(unit)
         else:
             self._all_ahead_fetched = now
-        gather_units(starting, approximate=True)  # together: small units share the collective's pieces
+        if starting:
+            gather_units(starting, approximate=True)  # together: small units share the collective's pieces
 
     def _pre_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         if module is self.root:

@@ -136,7 +136,10 @@ class ParamUnit:
     def gather_async(self, approximate: bool = False) -> None:
         """Start the all-gather if the unit is sharded; a no-op when gathering or full. `approximate` allows
         ZeRO++'s shortcuts ([Note: approximate gathers])."""
-        gather_units([self], approximate)
+        if self.state is UnitState.SHARDED:
+            self._start(approximate)
+            if self._plain(approximate):
+                self._pending = self.comm.all_gather(self.full, self._source, self.group)
 
     def _plain(self, approximate: bool) -> bool:
         """Whether its gather is an exact all-gather of the stored slice over `group` (which may share a coalesced
@@ -211,25 +214,28 @@ def gather_units(units: list[ParamUnit], approximate: bool = False) -> None:
     one group travel as one coalesced collective: on shared memory the units' slices share pieces, so a run of
     small units costs fewer synchronisations than one each, and each unit is whole as soon as its own part is."""
     batch: list[ParamUnit] = []
-
-    def issue() -> None:
-        if batch:
-            first = batch[0]
-            pending = first.comm.all_gather_coalesced([u.full for u in batch], [u._source for u in batch], first.group)
-            for unit, p in zip(batch, pending):
-                unit._pending = p
-            batch.clear()
-
     for unit in units:
         if unit.state is not UnitState.SHARDED:
             continue
         plain = unit._plain(approximate)
         if batch and not (plain and unit.group is batch[0].group and unit.comm is batch[0].comm):
-            issue()
+            _issue_gathers(batch)
+            batch = []
         unit._start(approximate)
         if plain:
             batch.append(unit)
-    issue()
+    if batch:
+        _issue_gathers(batch)
+
+
+def _issue_gathers(batch: list[ParamUnit]) -> None:
+    first = batch[0]
+    if len(batch) == 1:
+        first._pending = first.comm.all_gather(first.full, first._source, first.group)
+        return
+    pending = first.comm.all_gather_coalesced([u.full for u in batch], [u._source for u in batch], first.group)
+    for unit, p in zip(batch, pending):
+        unit._pending = p
 
 
 @contextlib.contextmanager
