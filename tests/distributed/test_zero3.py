@@ -193,15 +193,19 @@ def _forward_gathers_and_synchronisations():
         seq, gathers = channel._seq, engine.strategy.live.gathers
         loss = engine(torch.randn(2, 16)).square().mean()
         forward = (engine.strategy.live.gathers - gathers, channel._seq - seq)
+        seq = channel._seq
         engine.backward(loss)
+        backward = channel._seq - seq
         engine.step()
-    return forward
+    return (*forward, backward)
 
 
-def test_prefetched_units_share_one_collective_stream():
+def test_prefetched_units_and_their_gradients_share_one_collective_stream_each():
     # By the third step the recorded order prefetches all 8 units at the root's forward: on shared memory their
     # gathers travel as one stream, and 8 slices of 136 elements fit one piece (one each before coalescing).
-    assert run_distributed(_forward_gathers_and_synchronisations, 2) == [(8, 1)] * 2
+    # Backward gathers nothing (all still held) and launches the 8 units' reduce-scatters as one group
+    # (COALESCE_BUCKET_BYTES): one piece again, where each unit took its own.
+    assert run_distributed(_forward_gathers_and_synchronisations, 2) == [(8, 1, 1)] * 2
 
 
 def _gathered():

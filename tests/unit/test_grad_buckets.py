@@ -66,12 +66,17 @@ class FakeReducer:
         return Reduction(_Pending(), lambda: self.finished.append(bucket.flat.data_ptr()))
 
 
-def _three_buckets(completes_at_once: bool) -> tuple[torch.nn.Sequential, GradBuckets, FakeReducer]:
+def _one_bucket_per_layer(layers: int) -> tuple[torch.nn.Sequential, list[Bucket]]:
+    """Layers of 16 weights, one partitioned bucket each, in gradient arrival order."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(3)))
-    params = list(reversed(list(model.parameters())))  # gradient arrival order
-    buckets = [Bucket(layout, [p], torch.float32, (0, layout.padded_numel), partitioned=True)
-               for layout, p in zip(plan_buckets([p.numel() for p in params], 16), params)]
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(layers)))
+    params = list(reversed(list(model.parameters())))
+    return model, [Bucket(layout, [p], torch.float32, (0, layout.padded_numel), partitioned=True)
+                   for layout, p in zip(plan_buckets([p.numel() for p in params], 16), params)]
+
+
+def _three_buckets(completes_at_once: bool) -> tuple[torch.nn.Sequential, GradBuckets, FakeReducer]:
+    model, buckets = _one_bucket_per_layer(3)
     reducer = FakeReducer(completes_at_once)
     return model, GradBuckets(buckets, reducer, overlap=True), reducer
 
@@ -105,11 +110,7 @@ def test_at_most_max_in_flight_reductions_so_staging_memory_is_bounded() -> None
     the full buffers live at once are the two in flight and the one filling, not one per bucket."""
     from shardwise.zero.grad_buckets import MAX_IN_FLIGHT
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(6)))
-    params = list(reversed(list(model.parameters())))
-    buckets = [Bucket(layout, [p], torch.float32, (0, layout.padded_numel), partitioned=True)
-               for layout, p in zip(plan_buckets([p.numel() for p in params], 16), params)]
+    model, buckets = _one_bucket_per_layer(6)
     reducer = FakeReducer(completes_at_once=False)
     grads = GradBuckets(buckets, reducer, overlap=True)
     seen: list[int] = []
@@ -118,6 +119,37 @@ def test_at_most_max_in_flight_reductions_so_staging_memory_is_bounded() -> None
     _backward(model, grads)
     assert max(seen) == MAX_IN_FLIGHT - 1 == 1  # in flight before each launch: never more than one other
     assert len(set(reducer.finished)) == MAX_IN_FLIGHT + 1
+
+
+def test_launch_groups_are_fixed_runs_of_consecutive_buckets() -> None:
+    from shardwise.zero.grad_buckets import plan_launch_groups
+
+    assert plan_launch_groups([16] * 7, 40) == [3, 3, 3, 6, 6, 6, 7]  # closed once they hold 40; the rest alone
+    assert plan_launch_groups([16] * 3, 0) == [1, 2, 3]  # 0: every bucket alone
+    assert plan_launch_groups([50, 1, 1], 40) == [1, 3, 3]
+    assert plan_launch_groups([], 40) == []
+
+
+def test_grouped_buckets_launch_together_once_the_last_completes_and_groups_bound_what_is_in_flight() -> None:
+    """Reductions that never finish by themselves: each launch is one group of three buckets, issued when its
+    last bucket's gradients arrive, and a group waits for the oldest in flight as a single bucket did."""
+    from shardwise.zero.grad_buckets import MAX_IN_FLIGHT
+
+    model, buckets = _one_bucket_per_layer(9)
+    reducer = FakeReducer(completes_at_once=False)
+    grads = GradBuckets(buckets, reducer, overlap=True, coalesce_numel=40)
+    launched: list[tuple[list[int], int, int]] = []  # (buckets, groups in flight, gradients still to come)
+
+    def launch_many(group: list[Bucket]) -> list[Reduction]:
+        launched.append(([buckets.index(b) for b in group], len(grads._in_flight), sum(b.waiting for b in buckets)))
+        return [reducer.launch(b) for b in group]
+
+    reducer.launch_many = launch_many
+    _backward(model, grads)
+    assert [g for g, _, _ in launched] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert [left for _, _, left in launched] == [6, 3, 0]  # during backward, as soon as each group is complete
+    assert max(n for _, n, _ in launched) == MAX_IN_FLIGHT - 1
+    assert len(reducer.finished) == 9 and all(b.flat is None for b in buckets)
 
 
 class RecordingReducer(FakeReducer):

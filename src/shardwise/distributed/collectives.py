@@ -237,22 +237,41 @@ class Collectives:
 
         return self._issue("all_gather", group, output_flat, per_rank)
 
+    def streams_coalesced(self, group: Group, device: torch.device) -> bool:
+        """Whether coalesced collectives on `group` of tensors on `device` may travel as one stream (shared memory),
+        rather than one by one ([Note: coalesced collectives])."""
+        return self.use_shm and group.size > 1 and device.type == "cpu"
+
     def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], group: Group) -> list[Pending]:
-        """`all_gather(outputs[i], shards[i], group)` for each i, in order, one pending each; counted and numbered as
-        that many all-gathers. On a shared-memory channel gathers of one dtype travel as one stream, so small ones
-        share synchronisations (`ShmChannel.all_gather_many`); elsewhere they are issued one by one."""
-        channel = self._channel(group, *outputs, *shards) if len(outputs) > 1 else None
-        if channel is None or len({s.dtype for s in (*outputs, *shards)}) > 1:
-            return [self.all_gather(output, shard, group) for output, shard in zip(outputs, shards)]
+        """`all_gather(outputs[i], shards[i], group)` for each i, in order, one pending each ([Note: coalesced
+        collectives])."""
+        return self._coalesced("all_gather", outputs, shards, group, self.all_gather, ShmChannel.all_gather_many)
+
+    def reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Group) -> list[Pending]:
+        """`reduce_scatter(outputs[i], inputs[i], group)` for each i, in order, one pending each ([Note: coalesced
+        collectives])."""
+        return self._coalesced("reduce_scatter", inputs, outputs, group, lambda o, i, g: self.reduce_scatter(i, o, g),
+                               lambda channel, i, o, calls: ShmChannel.reduce_scatter_many(channel, o, i, calls))
+
+    def _coalesced(self, op: str, counted: list[torch.Tensor], others: list[torch.Tensor], group: Group,
+                   one: Callable[[torch.Tensor, torch.Tensor, Group], Pending],
+                   many: Callable[[ShmChannel, list[torch.Tensor], list[torch.Tensor], list[int]], list]) -> list[Pending]:
+        """[Note: coalesced collectives] Several all-gathers or reduce-scatters issued together are counted and
+        numbered as that many collectives, each with its own pending. On a shared-memory channel, if they share a
+        dtype, they travel as one stream of pieces (`ShmChannel.all_gather_many`, `reduce_scatter_many`): small
+        ones share synchronisations, and each completes as soon as its own part has. Elsewhere they are issued one
+        by one. `counted` are the tensors the statistics count (the gathers' outputs, the reductions' inputs)."""
+        channel = self._channel(group, *counted, *others) if len(counted) > 1 else None
+        if channel is None or len({t.dtype for t in (*counted, *others)}) > 1:
+            return [one(c, o, group) for c, o in zip(counted, others)]
         stream: list = []
 
         def launch(call: int, i: int) -> object:
             if not stream:  # the first of them: the collectives numbered call, call + 1, ... are these
-                stream.extend(channel.all_gather_many(outputs, shards, list(range(call, call + len(outputs)))))
+                stream.extend(many(channel, counted, others, list(range(call, call + len(counted)))))
             return stream[i]
 
-        return [self._issue("all_gather", group, output, lambda call, i=i: launch(call, i), channel)
-                for i, output in enumerate(outputs)]
+        return [self._issue(op, group, tensor, lambda call, i=i: launch(call, i), channel) for i, tensor in enumerate(counted)]
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: Group) -> Pending:
         """Exchange chunks: `input` (flat) is group.size equal chunks, chunk r going to rank r of the group;

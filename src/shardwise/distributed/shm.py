@@ -196,45 +196,54 @@ class ShmChannel:
         # A rank's region holds its contribution to each peer's chunk, not to its own (it adds that in place):
         # size - 1 parts, so at world size 2 a piece fills the whole region and a reduce-scatter takes half the
         # synchronisations it would with a part per rank.
+        return self.reduce_scatter_many([output], [input_flat], [call])[0]
+
+    def reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], calls: list[int]) -> list[ShmWork]:
+        """Several reduce-scatters (collectives `calls`, of one dtype) as one stream of pieces, as
+        `all_gather_many` streams gathers: each completes as soon as its own output is reduced."""
+        parts = [ShmWork(None) for _ in outputs]
+        chunks = [flat.view(self.size, -1) for flat in inputs]
+        ends = list(itertools.accumulate(c.shape[1] for c in chunks))
+        starts = [end - c.shape[1] for end, c in zip(ends, chunks)]
+
         def part(writer: int, reader: int) -> int:
             return reader if reader < writer else reader - 1
 
         def run() -> None:
-            chunks = input_flat.view(self.size, -1)
-            own = chunks[self.rank]
-            for lo, hi in self._pieces(own.numel(), own.element_size(), self.size - 1):
-                slot, width = self._seq % 2, hi - lo
-                region = self._region(self.rank, slot, own.dtype)
+            done, dtype = 0, inputs[0].dtype
+            for lo, hi in self._pieces(ends[-1], inputs[0].element_size(), self.size - 1):
+                slot = self._seq % 2
+                segments, i = [], done
+                while i < len(chunks) and starts[i] < hi:
+                    segments.append((i, max(lo, starts[i]) - starts[i], min(hi, ends[i]) - starts[i], max(lo, starts[i]) - lo))
+                    i += 1
+                region = self._region(self.rank, slot, dtype)
                 step = region.numel() // (self.size - 1)
-                for k in range(self.size):
-                    if k != self.rank:
-                        at = part(self.rank, k) * step
-                        region[at : at + width].copy_(chunks[k][lo:hi])
+                for i, a, b, at in segments:
+                    if a == 0:
+                        struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, calls[i], _OPS.index("reduce_scatter"))
+                    for k in range(self.size):
+                        if k != self.rank:
+                            base = part(self.rank, k) * step + at
+                            region[base : base + b - a].copy_(chunks[i][k][a:b])
                 self._publish_and_wait()
-                out = output[lo:hi]  # may be this rank's own piece: it is read first, in place
-                if out.data_ptr() != own[lo:hi].data_ptr():
-                    out.copy_(own[lo:hi])
-                for k in range(self.size):
-                    if k != self.rank:
-                        at = part(k, self.rank) * step
-                        out.add_(self._region(k, slot, own.dtype)[at : at + width])
+                for i, a, b, at in segments:
+                    out, own = outputs[i][a:b], chunks[i][self.rank][a:b]  # `out` may be `own`: read first, in place
+                    if out.data_ptr() != own.data_ptr():
+                        out.copy_(own)
+                    for k in range(self.size):
+                        if k != self.rank:
+                            base = part(k, self.rank) * step + at
+                            out.add_(self._region(k, slot, dtype)[base : base + b - a])
+                while done < len(chunks) and ends[done] <= hi:
+                    parts[done].finish(None)
+                    done += 1
 
-        return self._submit(run, "reduce_scatter", call)
+        self._submit(run, "reduce_scatter", calls[0], parts)
+        return parts
 
     def all_gather(self, output_flat: torch.Tensor, shard: torch.Tensor, call: int = 0) -> ShmWork:
-        def run() -> None:
-            chunks = output_flat.view(self.size, -1)
-            for lo, hi in self._pieces(shard.numel(), shard.element_size(), 1):
-                slot = self._seq % 2
-                self._region(self.rank, slot, shard.dtype)[: hi - lo].copy_(shard[lo:hi])
-                self._publish_and_wait()
-                for k in range(self.size):
-                    if k != self.rank:
-                        chunks[k][lo:hi].copy_(self._region(k, slot, shard.dtype)[: hi - lo])
-            if chunks[self.rank].data_ptr() != shard.data_ptr():
-                chunks[self.rank].copy_(shard)
-
-        return self._submit(run, "all_gather", call)
+        return self.all_gather_many([output_flat], [shard], [call])[0]
 
     def all_gather_many(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], calls: list[int]) -> list[ShmWork]:
         """Several all-gathers (collectives `calls`, of one dtype) as one stream of pieces: the end of one shard and

@@ -24,7 +24,7 @@ from ..config import Config
 from ..config.parse import parse_config
 from ..profiling.table import render_table
 from ..profiling.units import binary_bytes
-from ..zero.grad_buckets import MAX_IN_FLIGHT, OVERLAP_BUCKET_BYTES
+from ..zero.grad_buckets import COALESCE_BUCKET_BYTES, MAX_IN_FLIGHT, OVERLAP_BUCKET_BYTES, plan_launch_groups
 from .shape import ActivationProfile, ModelShape
 
 _ADAM_STATE_BYTES = 8
@@ -97,7 +97,7 @@ def plan(shape: ModelShape, config: Config | Mapping[str, Any], world: int,
         Part("gradients", device=grad_width * psi // (n if stage >= 2 else 1)),
         _where("master_weights", masters, opt_home),
         _where("optimizer_state", state_bytes * psi // shard, opt_home),
-        Part("gradient_staging", device=grad_width * _staging(shape, cfg)),
+        Part("gradient_staging", device=grad_width * _staging(shape, cfg, n)),
         Part("zero3_window", device=width * _window(shape, cfg) if stage == 3 else 0),
         Part("activations", device=activations.scaled(cfg.train_micro_batch_size_per_gpu, seq_len, width)
              if activations else 0),
@@ -140,9 +140,11 @@ def _where(name: str, nbytes: int, device: str) -> Part:
     return Part(name, device=nbytes)
 
 
-def _staging(shape: ModelShape, cfg: Config) -> int:
+def _staging(shape: ModelShape, cfg: Config, world: int) -> int:
     """Elements of whole gradient buffers live beside the slices (stages 2-3): `MAX_IN_FLIGHT` buckets being
-    reduced and one filling; at stage 3 a bucket is a unit, and the persistent units form one more."""
+    reduced and one filling; at stage 3 a bucket is a unit, launched with the next ones up to
+    `COALESCE_BUCKET_BYTES` where ranks share memory (planned as if they do: on a GPU that overstates the
+    staging by at most three such groups), and the persistent units form one more."""
     stage, zero = cfg.zero_optimization.stage, cfg.zero_optimization
     if stage < 2:
         return 0
@@ -150,8 +152,10 @@ def _staging(shape: ModelShape, cfg: Config) -> int:
     if stage == 2:
         bucket = min(zero.reduce_bucket_size, OVERLAP_BUCKET_BYTES // grad_width)
         return min(shape.trainable, (MAX_IN_FLIGHT + 1) * bucket)
-    units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold]
-    return min(shape.trainable, _persistent(shape, cfg) + (MAX_IN_FLIGHT + 1) * max(units, default=0))
+    units = [s for s in shape.module_sizes if s >= zero.stage3_param_persistence_threshold][::-1]  # backward's order
+    bounds = [0, *sorted(set(plan_launch_groups(units, COALESCE_BUCKET_BYTES // grad_width if world > 1 else 0)))]
+    groups = [sum(units[start:end]) for start, end in zip(bounds, bounds[1:])]
+    return min(shape.trainable, _persistent(shape, cfg) + (MAX_IN_FLIGHT + 1) * max(groups, default=0))
 
 
 def _window(shape: ModelShape, cfg: Config) -> int:

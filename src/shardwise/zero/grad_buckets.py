@@ -74,10 +74,17 @@ by 77 MiB."""
 
 
 MAX_IN_FLIGHT = 2
-"""Reductions under way at once; launching another first waits for the oldest. Without a bound, the full
-buffers of every bucket whose reduction had not finished stayed live, as many as backward outran the
-network: on CPU at stage 3 from a quarter to twice the model's gradients depending on timing, so no peak
-could be planned. Two keep one reduction on the wire while the next is queued."""
+"""Reductions under way at once (launch groups of them: [Note: launch groups]); launching another first waits
+for the oldest. Without a bound, the full buffers of every bucket whose reduction had not finished stayed live,
+as many as backward outran the network: on CPU at stage 3 from a quarter to twice the model's gradients depending
+on timing, so no peak could be planned. Two keep one reduction on the wire while the next is queued."""
+
+
+COALESCE_BUCKET_BYTES = 4 * 2**20
+"""Stage 3 on shared memory: a unit's bucket is launched with the next ones until they hold this many bytes of
+gradients ([Note: launch groups]), so small units share a collective's pieces and its worker's wake-ups (the 33.7M
+bench GPT's 108 unit reduce-scatters per step travel in 27 streams, one per block). The price: at most this many bytes
+more of whole gradients waiting beside the ones in flight."""
 
 
 def bucket_numel(reduce_bucket_size: int, dtype: torch.dtype) -> int:
@@ -210,8 +217,10 @@ class Bucket:
 class GradBuckets:
     def __init__(self, buckets: list[Bucket], reducer: Reducer, overlap: bool = True,
                  on_complete: Callable[[int], None] | None = None,
-                 counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None):
+                 counts_in_norm: Callable[[torch.nn.Parameter], bool] | None = None, coalesce_numel: int = 0):
         self.buckets = buckets
+        self._group_end = plan_launch_groups([b.layout.padded_numel for b in buckets], coalesce_numel)
+        """Per bucket, one past the last bucket launched with it ([Note: launch groups])."""
         self._norm_ranges = None if counts_in_norm is None else [_counted_ranges(b, counts_in_norm) for b in buckets]
         """Per bucket, the [start, end) ranges of its shard that count in this rank's norm (None: all of it)."""
         self.reducer = reducer
@@ -230,7 +239,10 @@ class GradBuckets:
         """A gradient arrived outside the window since the last `adopt`: `param.grad` may hold some."""
         self._reducing = False
         self._next = 0
-        self._in_flight: list[tuple[Bucket, Reduction]] = []
+        """The first bucket whose gradients have not all arrived (buckets complete in order, as far as launching goes)."""
+        self._launched = 0
+        self._in_flight: list[list[tuple[Bucket, Reduction]]] = []
+        """Launch groups under way, oldest first, each with the reductions of its buckets not yet finished."""
 
     @classmethod
     def replicated(cls, params: list[torch.nn.Parameter], reduce_bucket_size: int, dtype: torch.dtype,
@@ -244,7 +256,7 @@ class GradBuckets:
         """Called before each backward: `reduce` is true on micro-steps whose gradients are reduced."""
         self._open = True
         self._reducing = reduce
-        self._next = 0
+        self._next = self._launched = 0
         self._in_flight.clear()
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
@@ -270,25 +282,40 @@ class GradBuckets:
         return on_grad
 
     def _launch_ready(self) -> None:
+        """Launch every group whose buckets have all completed (in order: those before `_next`)."""
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
-            self._launch(self.buckets[self._next])
             self._next += 1
+        while self._launched < self._next and self._group_end[self._launched] <= self._next:
+            end = self._group_end[self._launched]
+            self._launch(self.buckets[self._launched : end])
+            self._launched = end
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.complete()
-        if bucket.reduced:  # nothing arrived since its last reduction, which must not be averaged again
-            bucket.reopen()
+    def _launch(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            bucket.complete()
+            if bucket.reduced:  # nothing arrived since its last reduction, which must not be averaged again
+                bucket.reopen()
         while len(self._in_flight) >= MAX_IN_FLIGHT:
-            self._finish_oldest()
-        self._in_flight.append((bucket, self.reducer.launch(bucket)))
+            for _ in range(len(self._in_flight[0])):  # the oldest group, whole
+                self._finish_oldest()
+        if len(buckets) == 1:
+            reductions = [self.reducer.launch(buckets[0])]
+        elif hasattr(self.reducer, "launch_many"):
+            reductions = self.reducer.launch_many(buckets)
+        else:
+            reductions = [self.reducer.launch(bucket) for bucket in buckets]
+        self._in_flight.append(list(zip(buckets, reductions)))
 
     def _finish_completed(self) -> None:
         """Finish reductions that have completed, oldest first, without waiting (frees their buffers)."""
-        while self._in_flight and self._in_flight[0][1].done():
+        while self._in_flight and self._in_flight[0][0][1].done():
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        bucket, reduction = self._in_flight.pop(0)
+        group = self._in_flight[0]
+        bucket, reduction = group.pop(0)
+        if not group:
+            self._in_flight.pop(0)
         reduction.finish()
         bucket.reduction_finished(overwrites=not self.reducer.rereduce_safe)
 
@@ -297,9 +324,8 @@ class GradBuckets:
         self._open = False
         if not self._reducing:
             return
-        for bucket in self.buckets[self._next :]:
-            self._launch(bucket)
-        self._next = len(self.buckets)
+        self._next = len(self.buckets)  # parameters unused this step: their buckets count as complete
+        self._launch_ready()
         while self._in_flight:
             self._finish_oldest()
         self._reducing = False
@@ -372,6 +398,20 @@ class BucketedGrads:
 
     def zero_grads(self) -> None:
         self.buckets.zero()
+
+
+def plan_launch_groups(numels: list[int], coalesce_numel: int) -> list[int]:
+    """[Note: launch groups] Consecutive buckets are launched together until they hold `coalesce_numel` elements
+    (0: each alone), and their reductions travel as one coalesced collective (`Reducer.launch_many`). The
+    groups are fixed when the buckets are made, the same on every rank whatever order the gradients arrive
+    in, since ranks must stream the same collectives. Per bucket: one past the last bucket of its group."""
+    ends, start, total = [0] * len(numels), 0, 0
+    for i, numel in enumerate(numels):
+        total += numel
+        if total >= coalesce_numel or i == len(numels) - 1:
+            ends[start : i + 1] = [i + 1] * (i + 1 - start)
+            start, total = i + 1, 0
+    return ends
 
 
 def _counted_ranges(bucket: Bucket, counts: Callable[[torch.nn.Parameter], bool]) -> list[tuple[int, int]]:

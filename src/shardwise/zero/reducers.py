@@ -139,9 +139,22 @@ class ReduceScatterMean:
         self.rereduce_safe = accumulate
 
     def launch(self, bucket: BucketLike) -> Reduction:
-        wire = _on_wire(bucket.flat, self.averaging.before, self.reduce_dtype)
-        out = wire.view(self.group.size, -1)[self.group.rank]
+        wire, out = self._wire(bucket)
+        return Reduction(self.comm.reduce_scatter(out, wire, self.group), self._into_shard(bucket, out))
 
+    def launch_many(self, buckets: list[BucketLike]) -> list[Reduction]:
+        """`launch` for each bucket, in order, as coalesced reduce-scatters (on shared memory one stream whose
+        pieces the buckets share: `Collectives.reduce_scatter_coalesced`)."""
+        wires = [self._wire(bucket) for bucket in buckets]
+        pending = self.comm.reduce_scatter_coalesced([out for _, out in wires], [wire for wire, _ in wires], self.group)
+        return [Reduction(p, self._into_shard(bucket, out)) for bucket, (_, out), p in zip(buckets, wires, pending)]
+
+    def _wire(self, bucket: BucketLike) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffer that goes on the wire, and this rank's chunk of it (where the sum lands)."""
+        wire = _on_wire(bucket.flat, self.averaging.before, self.reduce_dtype)
+        return wire, wire.view(self.group.size, -1)[self.group.rank]
+
+    def _into_shard(self, bucket: BucketLike, out: torch.Tensor) -> Callable[[], None]:
         def then() -> None:
             target = bucket.shard_grad
             if self.accumulate:
@@ -152,7 +165,7 @@ class ReduceScatterMean:
             if self.averaging.after != 1.0:
                 target.mul_(self.averaging.after)
 
-        return Reduction(self.comm.reduce_scatter(out, wire, self.group), then)
+        return then
 
     def global_norm(self, results: list[torch.Tensor]) -> torch.Tensor:
         return partitioned_norm(self.comm, self.group, results)

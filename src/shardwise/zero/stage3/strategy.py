@@ -6,7 +6,9 @@ gradients are complete (the partitioned gradient buckets of stage 2, one bucket 
 optimizer step the updated slices simply stay where they are: the next forward gathers them.
 
 `reduce_bucket_size` is not used at stage 3: a unit's gradients are reduce-scattered in one call as
-soon as they are complete, so the unit (a module's parameters) is the bucket.
+soon as they are complete, so the unit (a module's parameters) is the bucket. Where the ranks share memory,
+consecutive units are launched in groups of `COALESCE_BUCKET_BYTES` whose reductions share one stream
+([Note: launch groups] in `grad_buckets.py`).
 
 Frozen parameters are partitioned over the data-parallel ranks of one node only when the data group spans
 nodes (`node_local_frozen_weights`): a whole copy per node, so the network between nodes carries only what
@@ -30,7 +32,7 @@ from ...config.notes import note_once, note_once_per_job
 from ...distributed.topology import DataSplit
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
-from ..grad_buckets import Bucket, BucketedGrads, GradBuckets
+from ..grad_buckets import COALESCE_BUCKET_BYTES, Bucket, BucketedGrads, GradBuckets
 from ..quantize import BlockQuant
 from ..quantized_comm import QuantizedReduceScatter
 from ..reducers import AllReduceMean, GradAveraging, ReduceScatterMean
@@ -93,8 +95,10 @@ class Stage3(NoRankLocalState, BucketedGrads):
         buckets = [Bucket(u.layout, u.params, self.precision.grad_accum_dtype, u.layout.shard_range(self.group.rank, self.group.size),
                           partitioned=not alone) for u in reversed(self.trainable)]
         self._bucket_unit = list(reversed(self.trainable))
+        streams = self.comm.streams_coalesced(self.group, device)
+        coalesce = COALESCE_BUCKET_BYTES // self.precision.grad_accum_dtype.itemsize if streams else 0
         self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
-                                   counts_in_norm=inputs.counts_in_norm)
+                                   counts_in_norm=inputs.counts_in_norm, coalesce_numel=coalesce)
         self.hooks = Stage3Hooks(self.module, units_by_module(self.module, self.units), self.live,
                                  zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                                  zero.stage3_max_reuse_distance)
