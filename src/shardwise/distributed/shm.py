@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -203,25 +203,18 @@ class ShmChannel:
         `all_gather_many` streams gathers: each completes as soon as its own output is reduced."""
         parts = [ShmWork(None) for _ in outputs]
         chunks = [flat.view(self.size, -1) for flat in inputs]
-        ends = list(itertools.accumulate(c.shape[1] for c in chunks))
-        starts = [end - c.shape[1] for end, c in zip(ends, chunks)]
 
         def part(writer: int, reader: int) -> int:
             return reader if reader < writer else reader - 1
 
         def run() -> None:
-            done, dtype = 0, inputs[0].dtype
-            for lo, hi in self._pieces(ends[-1], inputs[0].element_size(), self.size - 1):
-                slot = self._seq % 2
-                segments, i = [], done
-                while i < len(chunks) and starts[i] < hi:
-                    segments.append((i, max(lo, starts[i]) - starts[i], min(hi, ends[i]) - starts[i], max(lo, starts[i]) - lo))
-                    i += 1
+            dtype = inputs[0].dtype
+            widths = [c.shape[1] for c in chunks]
+            done = lambda i: parts[i].finish(None)  # noqa: E731
+            for slot, segments in self._stream(widths, inputs[0].element_size(), self.size - 1, "reduce_scatter", calls, done):
                 region = self._region(self.rank, slot, dtype)
                 step = region.numel() // (self.size - 1)
                 for i, a, b, at in segments:
-                    if a == 0:
-                        struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, calls[i], _OPS.index("reduce_scatter"))
                     for k in range(self.size):
                         if k != self.rank:
                             base = part(self.rank, k) * step + at
@@ -235,9 +228,6 @@ class ShmChannel:
                         if k != self.rank:
                             base = part(k, self.rank) * step + at
                             out.add_(self._region(k, slot, dtype)[base : base + b - a])
-                while done < len(chunks) and ends[done] <= hi:
-                    parts[done].finish(None)
-                    done += 1
 
         self._submit(run, "reduce_scatter", calls[0], parts)
         return parts
@@ -250,8 +240,6 @@ class ShmChannel:
         the start of the next share a piece, so small gathers issued together take fewer synchronisations than
         one each. Each gather's work completes as soon as its own output is whole, not at the end of the stream."""
         parts = [ShmWork(None) for _ in outputs]
-        ends = list(itertools.accumulate(s.numel() for s in shards))
-        starts = [end - s.numel() for end, s in zip(ends, shards)]
 
         def finish_own(i: int) -> None:
             own = outputs[i].view(self.size, -1)[self.rank]
@@ -260,30 +248,43 @@ class ShmChannel:
             parts[i].finish(None)
 
         def run() -> None:
-            done, dtype = 0, shards[0].dtype  # the gathers before `done` are complete
-            for lo, hi in self._pieces(ends[-1], shards[0].element_size(), 1):
-                slot = self._seq % 2
-                segments, i = [], done
-                while i < len(shards) and starts[i] < hi:
-                    segments.append((i, max(lo, starts[i]), ends[i] if ends[i] < hi else hi))
-                    i += 1
+            dtype = shards[0].dtype
+            widths = [s.numel() for s in shards]
+            for slot, segments in self._stream(widths, shards[0].element_size(), 1, "all_gather", calls, finish_own):
                 mine = self._region(self.rank, slot, dtype)
-                for i, a, b in segments:
-                    if a == starts[i]:
-                        struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, calls[i], _OPS.index("all_gather"))
-                    mine[a - lo : b - lo].copy_(shards[i][a - starts[i] : b - starts[i]])
+                for i, a, b, at in segments:
+                    mine[at : at + b - a].copy_(shards[i][a:b])
                 self._publish_and_wait()
                 for k in range(self.size):
                     if k != self.rank:
                         theirs = self._region(k, slot, dtype)
-                        for i, a, b in segments:
-                            outputs[i].view(self.size, -1)[k][a - starts[i] : b - starts[i]].copy_(theirs[a - lo : b - lo])
-                while done < len(shards) and ends[done] <= hi:
-                    finish_own(done)
-                    done += 1
+                        for i, a, b, at in segments:
+                            outputs[i].view(self.size, -1)[k][a:b].copy_(theirs[at : at + b - a])
 
         self._submit(run, "all_gather", calls[0], parts)
         return parts
+
+    def _stream(self, widths: list[int], itemsize: int, ways: int, op: str, calls: list[int],
+                finish: Callable[[int], None]) -> Iterator[tuple[int, list[tuple[int, int, int, int]]]]:
+        """Walk collectives of `widths` elements each (per part of a region), laid end to end, in pieces of a region
+        split `ways` ways. Yields each piece's slot and its segments (i, a, b, at): elements [a, b) of collective i
+        lie at `at` in the piece. A collective's number is written to the header as it starts; once the caller has
+        handled a piece, `finish(i)` runs, in order, for each collective that ended in it."""
+        ends = list(itertools.accumulate(widths))
+        starts = [end - width for end, width in zip(ends, widths)]
+        done = 0  # the collectives before `done` are complete
+        for lo, hi in self._pieces(ends[-1], itemsize, ways):
+            segments, i = [], done
+            while i < len(widths) and starts[i] < hi:
+                a = max(lo, starts[i])
+                segments.append((i, a - starts[i], min(hi, ends[i]) - starts[i], a - lo))
+                if a == starts[i]:
+                    struct.pack_into("<qq", self.maps[self.rank], _CALL_AT, calls[i], _OPS.index(op))
+                i += 1
+            yield self._seq % 2, segments
+            while done < len(widths) and ends[done] <= hi:
+                finish(done)
+                done += 1
 
     def broadcast(self, tensor: torch.Tensor, src: int, call: int = 0) -> ShmWork:
         def run() -> None:
