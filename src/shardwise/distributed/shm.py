@@ -104,6 +104,16 @@ class ShmWork:
         self._done.set()
 
 
+def _release_and_finish(work: ShmWork, i: int, *held: list) -> None:
+    """Complete collective `i` of a stream, first dropping the stream's references to its tensors. The stream runs on
+    after `i` completes: holding them, it would keep a buffer alive that the waiter has let go of once `wait()`
+    returns (a ZeRO-1 step's flat gradient, measured by the planner's peak check), as a single collective never does
+    (`ShmWork.finish`)."""
+    for tensors in held:
+        tensors[i] = None
+    work.finish(None)
+
+
 class ShmChannel:
     """Shared-memory collectives over one group of same-host ranks (see the module docstring)."""
 
@@ -202,16 +212,29 @@ class ShmChannel:
         """Several reduce-scatters (collectives `calls`, of one dtype) as one stream of pieces, as
         `all_gather_many` streams gathers: each completes as soon as its own output is reduced."""
         parts = [ShmWork(None) for _ in outputs]
-        chunks = [flat.view(self.size, -1) for flat in inputs]
+        # The stream's own references, dropped as each collective completes (`_release_and_finish`).
+        chunks: list = [flat.view(self.size, -1) for flat in inputs]
+        outputs = list(outputs)
+        dtype, itemsize, widths = inputs[0].dtype, inputs[0].element_size(), [c.shape[1] for c in chunks]
 
         def part(writer: int, reader: int) -> int:
             return reader if reader < writer else reader - 1
 
+        def done(i: int) -> None:
+            _release_and_finish(parts[i], i, chunks, outputs)
+
+        def reduce(slot: int, step: int, i: int, a: int, b: int, at: int) -> None:
+            # A function of its own so that no view of a finished collective's tensors outlives the piece.
+            out, own = outputs[i][a:b], chunks[i][self.rank][a:b]  # `out` may be `own`: read first, in place
+            if out.data_ptr() != own.data_ptr():
+                out.copy_(own)
+            for k in range(self.size):
+                if k != self.rank:
+                    base = part(k, self.rank) * step + at
+                    out.add_(self._region(k, slot, dtype)[base : base + b - a])
+
         def run() -> None:
-            dtype = inputs[0].dtype
-            widths = [c.shape[1] for c in chunks]
-            done = lambda i: parts[i].finish(None)  # noqa: E731
-            for slot, segments in self._stream(widths, inputs[0].element_size(), self.size - 1, "reduce_scatter", calls, done):
+            for slot, segments in self._stream(widths, itemsize, self.size - 1, "reduce_scatter", calls, done):
                 region = self._region(self.rank, slot, dtype)
                 step = region.numel() // (self.size - 1)
                 for i, a, b, at in segments:
@@ -220,14 +243,8 @@ class ShmChannel:
                             base = part(self.rank, k) * step + at
                             region[base : base + b - a].copy_(chunks[i][k][a:b])
                 self._publish_and_wait()
-                for i, a, b, at in segments:
-                    out, own = outputs[i][a:b], chunks[i][self.rank][a:b]  # `out` may be `own`: read first, in place
-                    if out.data_ptr() != own.data_ptr():
-                        out.copy_(own)
-                    for k in range(self.size):
-                        if k != self.rank:
-                            base = part(k, self.rank) * step + at
-                            out.add_(self._region(k, slot, dtype)[base : base + b - a])
+                for segment in segments:
+                    reduce(slot, step, *segment)
 
         self._submit(run, "reduce_scatter", calls[0], parts)
         return parts
@@ -240,17 +257,18 @@ class ShmChannel:
         the start of the next share a piece, so small gathers issued together take fewer synchronisations than
         one each. Each gather's work completes as soon as its own output is whole, not at the end of the stream."""
         parts = [ShmWork(None) for _ in outputs]
+        outputs, shards = list(outputs), list(shards)  # the stream's own references (`_release_and_finish`)
+        dtype, itemsize, widths = shards[0].dtype, shards[0].element_size(), [s.numel() for s in shards]
 
         def finish_own(i: int) -> None:
             own = outputs[i].view(self.size, -1)[self.rank]
             if own.data_ptr() != shards[i].data_ptr():
                 own.copy_(shards[i])
-            parts[i].finish(None)
+            del own  # a view: it would hold the output past its completion
+            _release_and_finish(parts[i], i, outputs, shards)
 
         def run() -> None:
-            dtype = shards[0].dtype
-            widths = [s.numel() for s in shards]
-            for slot, segments in self._stream(widths, shards[0].element_size(), 1, "all_gather", calls, finish_own):
+            for slot, segments in self._stream(widths, itemsize, 1, "all_gather", calls, finish_own):
                 mine = self._region(self.rank, slot, dtype)
                 for i, a, b, at in segments:
                     mine[at : at + b - a].copy_(shards[i][a:b])
