@@ -17,11 +17,12 @@ install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(1) install $(
 # The packages beyond torch (~100 of them with the test and docs extras) go in with uv, from PyPI, where it can be had:
 # ~10 s where pip takes ~100 s on a clean machine (CI installs both venvs from nothing on every run). uv reads
 # neither pip's configuration nor its constraints; torch, whose wheel pip finds through them, stays with pip, and
-# where uv cannot be installed or fails, pip installs the rest as before. UV_SPEC= (empty): pip alone.
+# where uv cannot be installed or fails, pip installs the rest as before. UV_SPEC= (empty): pip alone. Byte-compiled
+# at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI) every interpreter would compile transformers anew.
 UV_SPEC ?= uv==0.13.9
 # $(call bulk_install,<venv>,<pip install arguments>)
 bulk_install = $(if $(UV_SPEC),{ $(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
-	&& $(1)/bin/uv pip install -q --python $(1)/bin/python $(2); } \
+	&& $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2); } \
 	|| { echo "uv could not install; pip installs instead"; $(1)/bin/pip install $(PIP_FLAGS) $(2); },$(1)/bin/pip install $(PIP_FLAGS) $(2))
 VENV := .venv
 SHARDWISE_EDITABLE := -e ".[test,docs]"
