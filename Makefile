@@ -10,20 +10,24 @@ TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(TORCH_CPU_INDEX)
 PIP_FLAGS := -q --disable-pip-version-check
-# $(call install_torch,<venv>/bin/pip)
-torch_from_index = $(1) install $(PIP_FLAGS) --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"
-install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(1) install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>/dev/null \
-	|| { echo "$(TORCH_SPEC): not where pip looks by default; installing it from $(TORCH_INDEX)"; $(call torch_from_index,$(1)); },$(call torch_from_index,$(1)))
-# The packages beyond torch (~100 of them with the test and docs extras) go in with uv, from PyPI, where it can be had:
-# ~10 s where pip takes ~100 s on a clean machine (CI installs both venvs from nothing on every run). uv reads
-# neither pip's configuration nor its constraints; torch, whose wheel pip finds through them, stays with pip, and
-# where uv cannot be installed or fails, pip installs the rest as before. UV_SPEC= (empty): pip alone. Byte-compiled
-# at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI) every interpreter would compile transformers anew.
+# uv (from PyPI, put in each venv first) installs torch and the ~100 packages beyond it: with the test and docs
+# extras ~20 s where pip takes ~130 s on a clean machine (CI installs both venvs from nothing on every run). uv reads
+# neither pip's configuration nor its constraints: for torch's local CPU wheel it is given pip's find-links. Where
+# uv cannot be installed or fails, pip does the same work as before. UV_SPEC= (empty): pip alone. Byte-compiled at
+# install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI) every interpreter would compile transformers anew.
 UV_SPEC ?= uv==0.13.9
+# $(call install_uv,<venv>)
+install_uv = $(if $(UV_SPEC),$(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
+	|| echo "$(UV_SPEC) could not be installed; pip installs instead",true)
+with_uv = $(if $(UV_SPEC),[ -x $(1)/bin/uv ] && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python,false)
+pip_find_links = $$($(1)/bin/pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$$/--find-links \1/p" | sort -u)
 # $(call bulk_install,<venv>,<pip install arguments>)
-bulk_install = $(if $(UV_SPEC),{ $(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
-	&& $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2); } \
-	|| { echo "uv could not install; pip installs instead"; $(1)/bin/pip install $(PIP_FLAGS) $(2); },$(1)/bin/pip install $(PIP_FLAGS) $(2))
+bulk_install = { $(with_uv) $(2); } || $(1)/bin/pip install $(PIP_FLAGS) $(2)
+# $(call install_torch,<venv>)
+torch_from_index = $(1)/bin/pip install $(PIP_FLAGS) --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"
+install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(with_uv) $(pip_find_links) "$(TORCH_SPEC)" 2>/dev/null; } \
+	|| $(1)/bin/pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>/dev/null \
+	|| { echo "$(TORCH_SPEC): not where pip looks by default; installing it from $(TORCH_INDEX)"; $(call torch_from_index,$(1)); },$(call torch_from_index,$(1)))
 VENV := .venv
 SHARDWISE_EDITABLE := -e ".[test,docs]"
 BIN := $(VENV)/bin
@@ -41,7 +45,8 @@ DEEPSPEED_SPEC ?= deepspeed==0.19.8
 # Hugging Face Trainer/accelerate and DeepSpeed scripts run on shardwise in this venv.
 $(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(call install_torch,$(BIN)/pip)
+	$(call install_uv,$(VENV))
+	$(call install_torch,$(VENV))
 	$(call bulk_install,$(VENV),$(SHARDWISE_EDITABLE))
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps -e ./compat/deepspeed
 	touch $@
@@ -84,7 +89,8 @@ test: $(STAMP)
 # Face packages take .venv's versions.
 $(DS_BASE):
 	$(PYTHON) -m venv $(DS_VENV)
-	$(call install_torch,$(DS_VENV)/bin/pip)
+	$(call install_uv,$(DS_VENV))
+	$(call install_torch,$(DS_VENV))
 	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
 		pytest pytest-timeout pytest-xdist
 	touch $@
