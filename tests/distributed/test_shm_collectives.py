@@ -160,33 +160,30 @@ def _stream_lets_go_of_what_it_finished(op: str) -> bool:
     channel = ours._channel(group, torch.empty(0))
     timeout = datetime.timedelta(seconds=30)
 
-    def issue(widths: list[int]) -> list:
-        tensors = [torch.ones(world * w) for w in widths]
+    def issue(widths: list[int]) -> tuple[list, list[torch.Tensor]]:
+        """One stream of `op`s of `widths` elements per rank; its works and its whole-size tensors (the
+        reduce-scatters' inputs, the gathers' outputs)."""
+        whole = [torch.ones(world * w) for w in widths]
+        calls = list(range(len(widths)))
         if op == "reduce_scatter":
-            return channel.reduce_scatter_many([torch.empty(w) for w in widths], tensors, list(range(len(widths))))
-        return channel.all_gather_many(tensors, [torch.ones(w) for w in widths], list(range(len(widths))))
+            return channel.reduce_scatter_many([torch.empty(w) for w in widths], whole, calls), whole
+        return channel.all_gather_many(whole, [torch.ones(w) for w in widths], calls), whole
 
     if group.rank == 0:
         # A small collective, done in the first of four pieces, then one spanning the other three: the stream's
         # worker waits at the second piece until rank 1 lets it go, after the check.
-        first = torch.ones(world * 16)
-        kept = weakref.ref(first)
-        if op == "reduce_scatter":
-            works = channel.reduce_scatter_many([torch.empty(16), torch.empty(3 * floats)],
-                                                [first, torch.ones(world * 3 * floats)], [0, 1])
-        else:
-            works = channel.all_gather_many([first, torch.empty(world * 3 * floats)],
-                                            [torch.ones(16), torch.ones(3 * floats)], [0, 1])
+        works, whole = issue([16, 3 * floats])
+        kept = weakref.ref(whole[0])
         works[0].wait(timeout)
-        del first
+        del whole
         released = kept() is None  # the caller let go of it: nothing else may hold it while the stream runs on
         dist.barrier()
         works[1].wait(timeout)
         return released
-    [work] = issue([floats])  # rank 0's first piece
+    [work], _ = issue([floats])  # rank 0's first piece
     work.wait(timeout)
     dist.barrier()
-    [work] = issue([3 * floats])  # its other three
+    [work], _ = issue([3 * floats])  # its other three
     work.wait(timeout)
     return True
 

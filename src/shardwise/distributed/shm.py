@@ -203,9 +203,6 @@ class ShmChannel:
         return self._submit(run, "all_reduce", call)
 
     def reduce_scatter(self, output: torch.Tensor, input_flat: torch.Tensor, call: int = 0) -> ShmWork:
-        # A rank's region holds its contribution to each peer's chunk, not to its own (it adds that in place):
-        # size - 1 parts, so at world size 2 a piece fills the whole region and a reduce-scatter takes half the
-        # synchronisations it would with a part per rank.
         return self.reduce_scatter_many([output], [input_flat], [call])[0]
 
     def reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], calls: list[int]) -> list[ShmWork]:
@@ -218,6 +215,9 @@ class ShmChannel:
         dtype, itemsize, widths = inputs[0].dtype, inputs[0].element_size(), [c.shape[1] for c in chunks]
 
         def part(writer: int, reader: int) -> int:
+            # A rank's region holds its contribution to each peer's chunk, not to its own (it adds that in place):
+            # size - 1 parts, so at world size 2 a piece fills the whole region and a reduce-scatter takes half the
+            # synchronisations it would with a part per rank.
             return reader if reader < writer else reader - 1
 
         def done(i: int) -> None:
