@@ -19,14 +19,15 @@ UV_SPEC ?= uv==0.13.9
 # $(call install_uv,<venv>)
 install_uv = $(if $(UV_SPEC),$(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
 	|| echo "$(UV_SPEC) could not be installed; pip installs instead",true)
-with_uv = $(if $(UV_SPEC),[ -x $(1)/bin/uv ] && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python,false)
+# $(call uv_or,<venv>,<install arguments>): "uv installs them, or ", empty where UV_SPEC is; pip's command follows.
+uv_or = $(if $(UV_SPEC),{ [ -x $(1)/bin/uv ] && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2); } || )
 pip_find_links = $$($(1)/bin/pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$$/--find-links \1/p" | sort -u)
 # $(call bulk_install,<venv>,<pip install arguments>)
-bulk_install = { $(with_uv) $(2); } || $(1)/bin/pip install $(PIP_FLAGS) $(2)
+bulk_install = $(call uv_or,$(1),$(2))$(1)/bin/pip install $(PIP_FLAGS) $(2)
 # $(call install_torch,<venv>)
 torch_from_index = $(1)/bin/pip install $(PIP_FLAGS) --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"
-install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(with_uv) $(pip_find_links) "$(TORCH_SPEC)" 2>/dev/null; } \
-	|| $(1)/bin/pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>/dev/null \
+install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(call uv_or,$(1),$(pip_find_links) "$(TORCH_SPEC)" 2>/dev/null)\
+	$(1)/bin/pip install $(PIP_FLAGS) "$(TORCH_SPEC)" 2>/dev/null \
 	|| { echo "$(TORCH_SPEC): not where pip looks by default; installing it from $(TORCH_INDEX)"; $(call torch_from_index,$(1)); },$(call torch_from_index,$(1)))
 VENV := .venv
 SHARDWISE_EDITABLE := -e ".[test,docs]"
