@@ -1,5 +1,5 @@
-"""ZeRO-3's execution trace: its indexed answers (upcoming units, reuse distance) equal a plain rescan of the
-recorded pass at every point of a pass, on random traces with repeated and persistent units."""
+"""ZeRO-3's execution trace: its indexed answers (upcoming units, reuse distance, later use) equal a plain
+rescan of the recorded pass at every point of a pass, on random traces with repeated and persistent units."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def test_indexed_trace_answers_like_a_rescan(seed):
     for cursor, (event, used) in enumerate(events, start=1):
         trace.record(event, used)
         assert list(trace.upcoming()) == rescan_upcoming(events, cursor)
+        later = {id(u) for _, us in events[cursor:] for u in us}
+        assert [trace.needed_later(id(u)) for u in units] == [id(u) in later for u in units]
         for unit in units:
             for distance in (0, 50, 500, 5000, 10**9):
                 got = trace.reused_within(unit, distance)

@@ -98,6 +98,14 @@ class ExecutionTrace:
             return iter(())
         return itertools.islice(plan.fetchable, plan.fetchable_start[self._cursor], None)
 
+    def needed_later(self, unit_id: int) -> bool:
+        """Whether the unit with this id is used by an event after the current one of the pass being followed."""
+        plan = self._expected
+        if plan is None:
+            return False
+        uses = plan.uses.get(unit_id)
+        return uses is not None and uses[-1] >= plan.start[self._cursor]
+
     def reused_within(self, unit: ParamUnit, distance: int) -> bool:
         """Whether `unit` is needed again before `distance` elements of other units are gathered."""
         plan = self._expected

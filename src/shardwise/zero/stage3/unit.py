@@ -47,6 +47,9 @@ class LiveParams:
     peak: int = 0
     gathers: int = 0
     releases: int = 0
+    released: set[int] = field(default_factory=set)
+    """The ids of the units released since the prefetcher last looked (`Stage3Hooks._prefetch`); at most one entry
+    per unit."""
 
     def add(self, numel: int) -> None:
         self.live += numel
@@ -207,6 +210,7 @@ class ParamUnit:
         if not self.persistent:
             self.live.live -= self.numel
             self.live.releases += 1
+            self.live.released.add(id(self))
 
 
 def gather_units(units: list[ParamUnit], approximate: bool = False) -> None:
