@@ -37,9 +37,9 @@ def in_use() -> set[str]:
 
 
 def leftovers(directory: Path) -> list[Path]:
-    busy = in_use()
+    busy = in_use()  # the kernel names files by their real paths: compare those, whatever `directory` was called
     return sorted(p for p in directory.glob(PATTERN)
-                  if p.is_file() and p.stat().st_uid == os.getuid() and str(p) not in busy)
+                  if p.is_file() and p.stat().st_uid == os.getuid() and os.path.realpath(p) not in busy)
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ def test_only_buffers_no_process_maps_or_holds_open_are_removed(tmp_path: Path) 
         view = mmap.mmap(mapped.fileno(), 4096)  # mapped: a live job's buffer (its fd closed below)
         mapped.close()
         assert _tool().leftovers(tmp_path) == [tmp_path / names[2]]
+        (tmp_path.parent / "link").symlink_to(tmp_path)  # named by another path, the mapped file is still in use
+        assert _tool().leftovers(tmp_path.parent / "link") == [tmp_path.parent / "link" / names[2]]
         done = subprocess.run([sys.executable, str(TOOL), "--dir", str(tmp_path)], capture_output=True, text=True,
                               check=True)
         view.close()
