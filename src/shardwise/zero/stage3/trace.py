@@ -98,12 +98,12 @@ class ExecutionTrace:
             return iter(())
         return itertools.islice(plan.fetchable, plan.fetchable_start[self._cursor], None)
 
-    def needed_later(self, unit_id: int) -> bool:
-        """Whether the unit with this id is used by an event after the current one of the pass being followed."""
+    def needed_later(self, unit: ParamUnit) -> bool:
+        """Whether `unit` is used by an event after the current one of the pass being followed."""
         plan = self._expected
         if plan is None:
             return False
-        uses = plan.uses.get(unit_id)
+        uses = plan.uses.get(id(unit))
         return uses is not None and uses[-1] >= plan.start[self._cursor]
 
     def reused_within(self, unit: ParamUnit, distance: int) -> bool:

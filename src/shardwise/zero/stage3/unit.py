@@ -47,9 +47,8 @@ class LiveParams:
     peak: int = 0
     gathers: int = 0
     releases: int = 0
-    released: set[int] = field(default_factory=set)
-    """The ids of the units released since the prefetcher last looked (`Stage3Hooks._prefetch`); at most one entry
-    per unit."""
+    released: set[ParamUnit] = field(default_factory=set)
+    """The units released since the prefetcher last looked (`Stage3Hooks._prefetch`); at most one entry per unit."""
 
     def add(self, numel: int) -> None:
         self.live += numel
@@ -210,7 +209,7 @@ class ParamUnit:
         if not self.persistent:
             self.live.live -= self.numel
             self.live.releases += 1
-            self.live.released.add(id(self))
+            self.live.released.add(self)
 
 
 def gather_units(units: list[ParamUnit], approximate: bool = False) -> None:
