@@ -122,7 +122,7 @@ def plan_launch(args: argparse.Namespace) -> LocalLaunch | MultiNodeLaunch:
         return planning.plan_multinode(args, nodes)
     if nodes is not None and path is not None:  # one host: run here on its selected slots, as DeepSpeed does
         planning.one_host_here(args, nodes[0], path)
-    from shardwise.launcher import local  # after the checks: argument errors come without importing torch
+    from shardwise.launcher import local
 
     nproc = nodes[0].nproc if nodes else resolve_nproc(args.num_gpus)
     check_binding(args, nproc)
@@ -163,7 +163,7 @@ def launch(argv: list[str], prog: str = "shardwise", epilog: str | None = None,
 
     if isinstance(plan, MultiNodeLaunch):
         return launch_multinode(plan)
-    from shardwise.launcher import local  # torch is imported only when launching
+    from shardwise.launcher import local
 
     return local.launch_local(plan)
 

@@ -86,16 +86,41 @@ def first_failure(failures: list[Failure]) -> Failure:
     return min(failures, key=lambda f: (f.consequence, f.time, f.rank))
 
 
+class RanksFailed(Exception):
+    """A job's agent ended because ranks failed (whichever agent ran it: see ``local.run_agent``)."""
+
+    def __init__(self, failures: list[Failure]) -> None:
+        super().__init__(f"{len(failures)} rank(s) failed")
+        self.failures = failures
+
+
+class AgentStopped(Exception):
+    """A job's agent was stopped by a signal and has stopped its ranks."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def failure_from_record(rank: int, local_rank: int, pid: int, exitcode: int, record: dict[str, Any], seen_at: float,
+                        host: str) -> Failure:
+    """A failed rank, from what its error file holds (``error_file.py``'s format; ``{}`` when it wrote none)."""
+    data = record.get("message", {})
+    extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+    message = data.get("message", "") if isinstance(data, dict) else str(data)
+    return Failure(
+        rank=rank, local_rank=local_rank, host=extra.get("shardwise_host", host), pid=pid, exitcode=exitcode,
+        message=message if extra else "", traceback=extra.get("py_callstack", ""),
+        time=float(extra.get("shardwise_time", seen_at)),
+    )
+
+
 def from_child_failed(error: Any, host: str) -> list[Failure]:
     """Torch's ``ChildFailedError`` → :class:`Failure` per failed rank (error-file data when there is one)."""
-    found = []
-    for rank, pf in error.failures.items():
-        data = pf.error_file_data.get("message", {})
-        extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
-        message = data.get("message", "") if isinstance(data, dict) else str(data)
-        found.append(Failure(
-            rank=int(rank), local_rank=int(pf.local_rank), host=extra.get("shardwise_host", host), pid=int(pf.pid),
-            exitcode=int(pf.exitcode), message=message if extra else "", traceback=extra.get("py_callstack", ""),
-            time=float(extra.get("shardwise_time", pf.timestamp)),
-        ))
-    return found
+    return [failure_from_record(rank=int(rank), local_rank=int(pf.local_rank), pid=int(pf.pid), exitcode=int(pf.exitcode),
+                                record=pf.error_file_data, seen_at=float(pf.timestamp), host=host)
+            for rank, pf in error.failures.items()]

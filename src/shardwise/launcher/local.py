@@ -1,8 +1,9 @@
-"""Single-node launching: turns a :class:`LocalLaunch` plan into a ``torch.distributed.run`` invocation.
+"""One node's launch: runs a :class:`LocalLaunch` plan under an agent and turns a failure into a message and a code.
 
-PyTorch's elastic agent does all process supervision (spawning, env vars RANK/LOCAL_RANK/WORLD_SIZE/
-MASTER_ADDR/MASTER_PORT, stopping the other ranks when one fails); this module only builds its arguments,
-chooses a usable master port and turns a worker failure into a short message and an exit code.
+A one-node job with a fixed world runs under ``static_agent.py`` (stdlib only: see [Note: own agent] there); a node
+of a multi-node job, or an elastic job, under PyTorch's elastic agent (``torch.distributed.run``), whose rendezvous
+it needs. Either agent gives the ranks torchrun's variables (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT...)
+and stops the other ranks when one fails. torch is imported only for the latter.
 """
 
 from __future__ import annotations
@@ -14,15 +15,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 
-import torch
-import torch.distributed.run as torchrun
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.utils import macros
-
 from shardwise.distributed import parent_watchdog as watchdog
-from shardwise.launcher import affinity, bootstrap
-from shardwise.launcher.failures import Failure, first_failure, from_child_failed
+from shardwise.launcher import affinity, bootstrap, static_agent
+from shardwise.launcher.failures import AgentStopped, Failure, RanksFailed, first_failure, from_child_failed
 from shardwise.launcher.messages import say
 from shardwise.launcher.netutil import free_port, port_is_free
 from shardwise.launcher.remote_env import EnvFileError
@@ -75,8 +70,19 @@ def in_bootstrap(plan: LocalLaunch) -> LocalLaunch:
                    module=True, no_python=False, pass_local_rank=False)
 
 
+# Without one of these no CUDA (or ROCm, which torch.cuda also counts) device can be visible.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def visible_cuda_devices() -> int:
-    """CUDA devices this process may use (respects CUDA_VISIBLE_DEVICES); 0 on a CPU-only machine."""
+    """CUDA devices this process may use (respects CUDA_VISIBLE_DEVICES); 0 on a CPU-only machine.
+
+    Asks torch only where a GPU driver is present: elsewhere the answer is 0 without its ~2 CPU-s import.
+    """
+    if not any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -90,8 +96,11 @@ def worker_args(plan: LocalLaunch) -> list[str]:
 
     ``macros.local_rank`` is replaced by the elastic agent with each worker's local rank.
     """
-    prefix = [f"--local_rank={macros.local_rank}"] if plan.pass_local_rank else []
-    return prefix + list(plan.script_args)
+    if not plan.pass_local_rank:
+        return list(plan.script_args)
+    from torch.distributed.elastic.utils import macros
+
+    return [f"--local_rank={macros.local_rank}", *plan.script_args]
 
 
 def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
@@ -99,6 +108,8 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
 
     The script's own args are set after parsing so nothing in them is read as a torchrun option.
     """
+    import torch.distributed.run as torchrun
+
     argv = [
         f"--nnodes={plan.nnodes}",
         f"--nproc-per-node={plan.nproc}",
@@ -141,8 +152,13 @@ def describe_failure(failures: list[Failure], each_rank_log: str | None = None, 
     )
 
 
+def uses_own_agent(plan: LocalLaunch) -> bool:
+    """One node, a fixed world, no restarts: ``static_agent.py`` runs it (see [Note: own agent] there)."""
+    return plan.nnodes == "1" and plan.rdzv_backend == "static" and plan.max_restarts == 0
+
+
 def run_agent(plan: LocalLaunch) -> None:
-    """Run this node's elastic agent; raises ``ChildFailedError`` / ``SignalException`` as torchrun does.
+    """Run this node's agent; raises :class:`RanksFailed` or :class:`AgentStopped` when the job did not succeed.
 
     Workers start through ``bootstrap.py`` and learn this process's pid, so that they stop themselves if it
     is killed (see [Note: orphaned ranks] in ``distributed/parent_watchdog.py``).
@@ -150,7 +166,7 @@ def run_agent(plan: LocalLaunch) -> None:
     if plan.venv_script:
         os.environ.update(sourced_env(plan.venv_script))
     if plan.nproc > 1:
-        # torchrun's own default for several workers, set here to skip its multi-line banner.
+        # torchrun's own default for several workers (set here, where it also skips torchrun's banner).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[watchdog.AGENT_PID_VAR] = str(os.getpid())
     if plan.each_rank_log:
@@ -160,12 +176,46 @@ def run_agent(plan: LocalLaunch) -> None:
         bootstrap.note_pid("agent")
     if plan.bind_cores:
         os.environ[affinity.BIND_VAR] = plan.bind_cores
+    if uses_own_agent(plan):
+        static_agent.run(static_job(in_bootstrap(plan)))
+    else:
+        _run_torch_agent(plan)
+
+
+def static_job(plan: LocalLaunch) -> static_agent.Job:
+    """The plan (already through :func:`in_bootstrap`) as ``static_agent`` runs it: ``python -u -m ...`` as torchrun."""
+    signals = tuple(plan.agent_signals.split(",")) if plan.agent_signals else static_agent.DEFAULT_SIGNALS
+    return static_agent.Job(nproc=plan.nproc, argv=("-u", "-m", plan.script, *worker_args(plan)),
+                            master_addr=plan.master_addr, master_port=plan.master_port, port_chosen=plan.port_chosen,
+                            run_id=plan.run_id, signals=signals)
+
+
+def _run_torch_agent(plan: LocalLaunch) -> None:
+    """torch's elastic agent, its errors turned into ours; a picked port that was taken before its store bound it
+    is replaced (checking a port and binding it are two steps: two jobs started at once can both find it free)."""
+    import torch.distributed as dist
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     if plan.rdzv_backend == "c10d":
         # [Note: fresh store per round] By default the c10d agents share one TCPStore with their workers for
         # the whole job, so a restarted rank can read the gloo address its dead predecessor published and fail
         # to connect (or hang). Opting out makes rank 0 host a new store, on a new port, every round.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    torchrun.run(torchrun_args(in_bootstrap(plan)))
+    try:
+        try:
+            torchrun.run(torchrun_args(in_bootstrap(plan)))
+        except dist.DistNetworkError as error:
+            if not (plan.port_chosen and plan.nnodes == "1" and "EADDRINUSE" in str(error)):
+                raise
+            port = free_port()
+            static_agent.say_port_replaced(plan.master_port, port)
+            torchrun.run(torchrun_args(in_bootstrap(replace(plan, master_port=port))))
+    except ChildFailedError as error:
+        raise RanksFailed(from_child_failed(error, os.environ.get(bootstrap.HOST_VAR) or socket.gethostname())) from None
+    except SignalException as stop:
+        raise AgentStopped(int(stop.sigval)) from None
 
 
 def sourced_env(script: str) -> dict[str, str]:
@@ -181,32 +231,17 @@ def sourced_env(script: str) -> dict[str, str]:
 
 
 def launch_local(plan: LocalLaunch) -> int:
-    """Run the plan under the elastic agent; return 0 on success, non-zero if any rank failed."""
-    try:
-        _run_rebinding(plan)
-    except ChildFailedError as error:
-        failures = from_child_failed(error, socket.gethostname())
-        print(describe_failure(failures, plan.each_rank_log, one_of_nodes=plan.nnodes != "1"), file=sys.stderr,
-              flush=True)
-        return first_failure(failures).exit_code()
-    except SignalException as stop:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the workers
-        print(f"shardwise: stopped by {stop.sigval.name}; all ranks were stopped.", file=sys.stderr, flush=True)
-        return 128 + int(stop.sigval)
-    return 0
-
-
-def _run_rebinding(plan: LocalLaunch) -> None:
-    """run_agent, once more on a fresh port if the one picked for this job was taken before the agent bound it
-    (checking a port and binding it are two steps: two jobs started at once can both find 29500 free)."""
+    """Run the plan under its agent; return 0 on success, non-zero if any rank failed."""
     try:
         run_agent(plan)
-    except torch.distributed.DistNetworkError as error:
-        if not (plan.port_chosen and plan.nnodes == "1" and "EADDRINUSE" in str(error)):
-            raise
-        port = free_port()
-        say(f"master port {plan.master_port} was taken between choosing it and starting the job; using free port "
-            f"{port} (pass --master_port to choose one).", "warning")
-        run_agent(replace(plan, master_port=port))
+    except RanksFailed as failed:
+        print(describe_failure(failed.failures, plan.each_rank_log, one_of_nodes=plan.nnodes != "1"), file=sys.stderr,
+              flush=True)
+        return first_failure(failed.failures).exit_code()
+    except AgentStopped as stop:  # Ctrl-C or a scheduler's SIGTERM: the agent has stopped the workers
+        print(f"shardwise: stopped by {stop.name}; all ranks were stopped.", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    return 0
 
 
 def pick_default_master_port(log_level: str = "info") -> int:

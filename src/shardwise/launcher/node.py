@@ -16,9 +16,10 @@ import sys
 import threading
 
 from shardwise.launcher import bootstrap, netutil
-from shardwise.launcher.failures import first_failure, from_child_failed
+from shardwise.launcher.failures import AgentStopped, RanksFailed, first_failure
 from shardwise.launcher.jobspec import JobSpec
 from shardwise.launcher.lifeline import Lifeline
+from shardwise.launcher.local import LocalLaunch, run_agent
 
 KILL_AFTER_S = 10.0  # after the launcher went away: SIGTERM, then SIGKILL if this agent is still here
 
@@ -45,9 +46,7 @@ def node_env(spec: JobSpec, node_rank: int) -> None:
         os.environ[bootstrap.PID_FILE_VAR] = spec.pid_file
 
 
-def agent_plan(spec: JobSpec, node_rank: int):  # -> local.LocalLaunch (local imports torch)
-    from shardwise.launcher.local import LocalLaunch
-
+def agent_plan(spec: JobSpec, node_rank: int) -> LocalLaunch:
     host, slots = spec.nodes[node_rank]
     elastic = spec.elastic
     return LocalLaunch(
@@ -64,11 +63,6 @@ def agent_plan(spec: JobSpec, node_rank: int):  # -> local.LocalLaunch (local im
 
 
 def run_node(spec: JobSpec, node_rank: int) -> int:
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from shardwise.launcher.local import run_agent
-
     host = spec.nodes[node_rank][0]
     node_env(spec, node_rank)
     lifeline = Lifeline(spec.lifeline_addrs.get(host, spec.master_addr), spec.lifeline_port, spec.lifeline_token,
@@ -86,15 +80,15 @@ def run_node(spec: JobSpec, node_rank: int) -> int:
     lifeline.watch(launcher_gone)
     try:
         run_agent(agent_plan(spec, node_rank))
-    except ChildFailedError as error:
-        failure = first_failure(from_child_failed(error, host))
+    except RanksFailed as error:
+        failure = first_failure(error.failures)
         finished.set()
         lifeline.send({"event": "failed", **failure.to_json()})
         print(f"shardwise: node {node_rank} ({host}): {failure.summary()}", file=sys.stderr, flush=True)
         return failure.exit_code()
-    except SignalException as stop:
+    except AgentStopped as stop:
         finished.set()
-        return 128 + int(stop.sigval)
+        return 128 + stop.signum
     except BaseException:
         finished.set()
         raise

@@ -1,0 +1,139 @@
+"""The one-node agent (launcher/static_agent.py): torchrun's environment without torch's agent, its master-port
+claim, how it stops ranks, and that a launch imports no torch. Failure reports and port replacement are tested
+end to end in test_launcher.py, which runs every one-node launch through this agent."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.launcher import static_agent
+from shardwise.launcher.flags import LaunchError
+from tests.distributed.test_launcher import child_env, free_port, run_command
+
+try:
+    import pytest_timeout  # noqa: F401
+
+    pytestmark = [pytest.mark.timeout(180)]
+except ImportError:
+    pytestmark = []
+
+DUMP_ENV = """import json, os, sys
+with open(f"{sys.argv[1]}.{os.environ['RANK']}.json", "w") as f:
+    json.dump(dict(os.environ), f)
+"""
+# Where the two agents differ by design: the port asked for, the error file's place, who hosts the store.
+DIFFERENT_BY_DESIGN = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+
+
+def test_ranks_get_the_environment_torchrun_gives(tmp_path: Path) -> None:
+    script = tmp_path / "dump.py"
+    script.write_text(DUMP_ENV)
+    torchrun = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                            f"--master-port={free_port()}", str(script), str(tmp_path / "torchrun")], tmp_path)
+    ours = run_command([sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", "--no_local_rank",
+                        f"--master_port={free_port()}", str(script), str(tmp_path / "ours")], tmp_path)
+    assert torchrun.returncode == 0 and ours.returncode == 0, torchrun.stderr + ours.stderr
+    for rank in (0, 1):
+        theirs = json.loads((tmp_path / f"torchrun.{rank}.json").read_text())
+        mine = json.loads((tmp_path / f"ours.{rank}.json").read_text())
+        differ = {k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k) and k != "_"}  # bash's own
+        assert differ == DIFFERENT_BY_DESIGN, {k: (theirs.get(k), mine.get(k)) for k in differ}
+        assert (theirs["TORCHELASTIC_USE_AGENT_STORE"], mine["TORCHELASTIC_USE_AGENT_STORE"]) == ("True", "False")
+        assert mine["RANK"] == str(rank) and mine["WORLD_SIZE"] == "2"  # not vacuous: the variables are there
+
+
+NO_TORCH = """import sys
+from shardwise.launcher.cli import run_launch
+code = run_launch(sys.argv[1:], "shardwise")
+assert "torch" not in sys.modules, "the launcher imported torch"
+sys.exit(code)
+"""
+
+
+def test_a_one_node_launch_imports_no_torch_and_leaves_no_folder(tmp_path: Path) -> None:
+    """~2 CPU-s of `import torch` per launch saved; torch's agent also left a /tmp/torchelastic_* folder per job."""
+    script, scratch = tmp_path / "hello.py", tmp_path / "tmp"
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n")  # one write: -u
+    scratch.mkdir()
+    env = {**child_env(), "TMPDIR": str(scratch)}
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, "--num_gpus", "2", f"--master_port={free_port()}",
+                             str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:2]) == ["rank 0", "rank 1"], result.stdout
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_claimed_port_is_replaced_when_picked_and_refused_when_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    holder = static_agent.claim(port)
+    assert holder is not None
+    try:
+        assert static_agent.claim(port) is None  # a second launcher here cannot claim it
+        picked = static_agent.Job(nproc=1, argv=(), master_addr="127.0.0.1", master_port=port, port_chosen=True)
+        other, other_holder = static_agent.claim_master_port(picked)
+        other_holder.close()
+        assert other != port
+        assert f"master port {port} was taken between choosing it and starting the job" in capsys.readouterr().err
+        asked = static_agent.Job(nproc=1, argv=(), master_addr="127.0.0.1", master_port=port, port_chosen=False)
+        with pytest.raises(LaunchError, match=f"--master_port {port}: another job on this machine took the port"):
+            static_agent.claim_master_port(asked)
+    finally:
+        holder.close()
+    again = static_agent.claim(port)  # the claim ends with its holder (the kernel frees it when an agent dies)
+    assert again is not None
+    again.close()
+
+
+STUBBORN = """import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1] + "." + os.environ["RANK"], "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_second_signal_stops_ranks_at_once_rather_than_after_the_grace(tmp_path: Path) -> None:
+    """The first SIGTERM is passed on (these ranks ignore it); the second means now: SIGKILL, not 30 s later."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    agent = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", f"--master_port={free_port()}",
+                              "--no_local_rank", str(script), str(tmp_path / "started")], cwd=tmp_path, env=child_env(),
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, "the ranks did not start"
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert agent.poll() is None, "the agent did not wait for the ranks it had asked to stop"
+        sent = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=static_agent.STOP_GRACE_S / 2)
+        assert time.monotonic() - sent < 5
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        stderr = agent.communicate()[1]
+    assert code == 128 + signal.SIGTERM, stderr
+    assert "shardwise: stopped by SIGTERM; all ranks were stopped." in stderr
+
+
+def test_ranks_start_in_their_own_session(tmp_path: Path) -> None:
+    """As under torch's agent: a terminal's Ctrl-C reaches the agent alone, which passes it on once."""
+    script = tmp_path / "session.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        os.write(1, f"{os.environ['RANK']} {int(os.getsid(0) == os.getpid())}\\n".encode())
+    """))
+    result = run_command([sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", f"--master_port={free_port()}",
+                          str(script)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()) == ["0", "1", "1", "1"], result.stdout
