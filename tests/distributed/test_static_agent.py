@@ -137,3 +137,26 @@ def test_ranks_start_in_their_own_session(tmp_path: Path) -> None:
                           str(script)], tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split()) == ["0", "1", "1", "1"], result.stdout
+
+
+def test_a_hostfile_node_gets_the_global_ranks_torchs_static_rendezvous_gives() -> None:
+    """Uneven slots (3, 1, 2): each node's first rank is the sum of the slots before it, as torch's static
+    rendezvous orders them by node rank; a node of an elastic job still goes to torch's agent."""
+    from shardwise.launcher import local, node
+    from shardwise.launcher.jobspec import Elastic, JobSpec
+
+    spec = JobSpec(nodes=(("a", (0, 1, 2)), ("b", (0,)), ("c", (0, 1))), script="t.py", script_args=(), mode="path",
+                   pass_local_rank=True, master_addr="a", master_port=29500, run_id="r")
+    envs = []
+    for node_rank in range(3):
+        plan = node.agent_plan(spec, node_rank)
+        assert local.uses_own_agent(plan)
+        job = local.static_job(local.in_bootstrap(plan))
+        envs += [static_agent.rank_env(job, local_rank, 29500, "e") for local_rank in range(plan.nproc)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3", "4", "5"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "0", "0", "1"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "0", "1", "2", "2"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["3", "3", "3", "1", "2", "2"]
+    assert {(e["WORLD_SIZE"], e["ROLE_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in envs} == {("6", "6", "3")}
+    elastic = JobSpec(**{**spec.__dict__, "elastic": Elastic(min_nodes=1, max_nodes=3, max_restarts=3)})
+    assert not local.uses_own_agent(node.agent_plan(elastic, 1))

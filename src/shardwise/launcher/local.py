@@ -42,6 +42,10 @@ class LocalLaunch:
     # One node of several (set by ``node.py``): static rendezvous at master, or c10d for elastic jobs.
     nnodes: str = "1"
     node_rank: int = 0
+    # Where every node's slots are known (a hostfile's job: ``node.agent_plan``): this node's first global rank and
+    # the job's world size. None elsewhere (a Kubeflow pod knows only its own): torch's rendezvous finds them.
+    first_rank: int | None = None
+    world_size: int | None = None
     rdzv_backend: str = "static"
     run_id: str = "none"
     max_restarts: int = 0
@@ -153,8 +157,10 @@ def describe_failure(failures: list[Failure], each_rank_log: str | None = None, 
 
 
 def uses_own_agent(plan: LocalLaunch) -> bool:
-    """One node, a fixed world, no restarts: ``static_agent.py`` runs it (see [Note: own agent] there)."""
-    return plan.nnodes == "1" and plan.rdzv_backend == "static" and plan.max_restarts == 0
+    """A fixed world, no restarts, and this node's ranks known without a rendezvous: ``static_agent.py`` runs it
+    (see [Note: own agent] there)."""
+    known = plan.nnodes == "1" or (plan.first_rank is not None and plan.world_size is not None)
+    return known and plan.rdzv_backend == "static" and plan.max_restarts == 0
 
 
 def run_agent(plan: LocalLaunch) -> None:
@@ -185,9 +191,12 @@ def run_agent(plan: LocalLaunch) -> None:
 def static_job(plan: LocalLaunch) -> static_agent.Job:
     """The plan (already through :func:`in_bootstrap`) as ``static_agent`` runs it: ``python -u -m ...`` as torchrun."""
     signals = tuple(plan.agent_signals.split(",")) if plan.agent_signals else static_agent.DEFAULT_SIGNALS
+    nnodes = int(plan.nnodes)
     return static_agent.Job(nproc=plan.nproc, argv=("-u", "-m", plan.script, *worker_args(plan)),
                             master_addr=plan.master_addr, master_port=plan.master_port, port_chosen=plan.port_chosen,
-                            run_id=plan.run_id, signals=signals)
+                            run_id=plan.run_id, signals=signals, node_rank=plan.node_rank, nnodes=nnodes,
+                            first_rank=plan.first_rank or 0,
+                            world_size=plan.world_size if plan.world_size is not None else plan.nproc)
 
 
 def _run_torch_agent(plan: LocalLaunch) -> None:

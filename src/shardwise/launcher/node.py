@@ -2,10 +2,11 @@
 
 ``python -m shardwise.launcher.node <job spec> (--node_rank=N | --host=H)``
 
-It connects the lifeline to the launcher ([Note: lifeline] in ``lifeline.py``), then runs PyTorch's elastic
-agent in this process for this node's slots (``local.run_agent``: static rendezvous at the master, or c10d
-when elastic). It reports the node's first failing rank — global rank, host, how it ended, traceback — or
-``done``, and stops its ranks when the launcher closes the lifeline or goes away.
+It connects the lifeline to the launcher ([Note: lifeline] in ``lifeline.py``), then runs this node's agent in
+this process for its slots (``local.run_agent``: shardwise's own for a fixed world, whose ranks the job spec
+gives, or PyTorch's elastic agent with its c10d rendezvous when elastic). It reports the node's first failing
+rank — global rank, host, how it ended, traceback — or ``done``, and stops its ranks when the launcher closes the
+lifeline or goes away.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 
 from shardwise.launcher import bootstrap, netutil
 from shardwise.launcher.failures import AgentStopped, RanksFailed, first_failure
+from shardwise.launcher.flags import LaunchError
 from shardwise.launcher.jobspec import JobSpec
 from shardwise.launcher.lifeline import Lifeline
 from shardwise.launcher.local import LocalLaunch, run_agent
@@ -59,6 +61,9 @@ def agent_plan(spec: JobSpec, node_rank: int) -> LocalLaunch:
         # The first node serves the c10d store; torch's own guess compares host names, which fails for
         # nodes named by address on multi-homed machines (and in network namespaces).
         rdzv_conf=f"is_host={int(node_rank == 0)}" if elastic else "",
+        # Every node's slots are in the spec: this node's ranks are known without torch's rendezvous.
+        first_rank=None if elastic else sum(len(s) for _, s in spec.nodes[:node_rank]),
+        world_size=None if elastic else sum(len(s) for _, s in spec.nodes),
     )
 
 
@@ -105,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectionError as error:
         print(f"shardwise: {error}", file=sys.stderr, flush=True)
         return 1
+    except LaunchError as error:  # e.g. node 0's master port held by another job
+        print(f"shardwise: node {node_rank}: error: {error}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

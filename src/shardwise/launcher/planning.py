@@ -124,7 +124,7 @@ def plan_multinode(args: argparse.Namespace, nodes: tuple[Node, ...]) -> MultiNo
 
 def plan_no_ssh(args: argparse.Namespace, nodes: tuple[Node, ...]) -> LocalLaunch:
     """``--no_ssh``: this node's agent only; every node's launcher computes the same job from the same options."""
-    from shardwise.launcher import node  # imports torch
+    from shardwise.launcher import node
 
     rank = args.node_rank
     if rank is None or not 0 <= rank < len(nodes):
@@ -188,7 +188,7 @@ def scheduler_on_this_host(args: argparse.Namespace) -> tuple[Node, ...] | None:
 def as_pod_of_job(args: argparse.Namespace, plan: LocalLaunch) -> LocalLaunch:
     """In a Kubeflow PyTorchJob or TrainJob pod (no hostfile), this launch is one node of the operator's job: its
     node rank, node count, master and processes per node come from the operator (``env.pod_of_job``)."""
-    from shardwise.distributed.env import EnvError, pod_of_job  # after torch: only local launches get here
+    from shardwise.distributed.env import EnvError, pod_of_job  # only local launches get here
 
     if args.hostfile is not None:
         return plan

@@ -1,15 +1,18 @@
-"""The agent of a one-node job: starts its ranks, watches them, stops them all when one fails (stdlib only).
+"""The agent of a node whose ranks are known in advance: starts them, watches them, stops them all when one fails
+(stdlib only).
 
-[Note: own agent] A one-node job with a fixed world needs nothing of torch's elastic agent but what a small
-supervisor does: give each rank torchrun's environment, start it in its own session, and when one rank fails
-stop the rest (the signal, then SIGKILL after :data:`STOP_GRACE_S`). Torch's agent costs an ``import torch``
-(~2 CPU-s) in the launcher of every job and leaves a ``/tmp/torchelastic_*`` folder behind; this one costs
-neither. Multi-node and elastic jobs keep torch's agent (``local.run_agent``): they need its rendezvous.
+[Note: own agent] A job with a fixed world whose nodes' slots are all known (one node, or a hostfile's nodes) needs
+nothing of torch's elastic agent but what a small supervisor does: give each rank torchrun's environment, start it
+in its own session, and when one rank fails stop the rest (the signal, then SIGKILL after :data:`STOP_GRACE_S`).
+Torch's agent costs an ``import torch`` (~2 CPU-s) in the launcher of every job and leaves a ``/tmp/torchelastic_*``
+folder behind; this one costs neither. Its static rendezvous only computes what is known here: each node's first
+global rank is the sum of the slots before it. Elastic jobs, and a Kubeflow pod (which knows only its own slots),
+keep torch's agent (``local.run_agent``): they need its rendezvous.
 
 [Note: master port claim] Without an agent store, rank 0's TCPStore binds the master port, seconds after the
 launcher checked it (the rank imports torch first). Two launchers on one machine could both pick 29500 in that
-gap, and then one job's ranks would join the other job's store: not a crash but a mixed-up job. Each agent
-therefore claims its port for the job's life with an abstract Unix socket named after it (per network
+gap, and then one job's ranks would join the other job's store: not a crash but a mixed-up job. The agent of
+the store's node (node 0) therefore claims its port for the job's life with an abstract Unix socket named after it (per network
 namespace, like the port itself; the kernel frees it when the agent dies). A claimed or bound port is replaced
 when the launcher picked it, and refused when the user asked for it.
 """
@@ -52,14 +55,24 @@ class Job:
     port_chosen: bool
     run_id: str = "none"
     signals: tuple[str, ...] = DEFAULT_SIGNALS
+    node_rank: int = 0
+    nnodes: int = 1
+    first_rank: int = 0  # this node's first global rank
+    world_size: int = 0  # every node's ranks; 0: this node's alone
+
+    @property
+    def world(self) -> int:
+        return self.world_size or self.nproc
 
 
-def rank_env(job: Job, rank: int, port: int, error_file: str) -> dict[str, str]:
-    """What torchrun gives a rank of a one-node static job (its workers' environment, variable by variable)."""
+def rank_env(job: Job, local_rank: int, port: int, error_file: str) -> dict[str, str]:
+    """What torchrun gives a rank of a static job (its workers' environment, variable by variable)."""
+    rank = str(job.first_rank + local_rank)
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
-        "WORLD_SIZE": str(job.nproc), "LOCAL_WORLD_SIZE": str(job.nproc), "GROUP_WORLD_SIZE": "1",
-        "ROLE_WORLD_SIZE": str(job.nproc), "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(port),
+        "RANK": rank, "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(job.node_rank), "ROLE_RANK": rank,
+        "ROLE_NAME": "default", "WORLD_SIZE": str(job.world), "LOCAL_WORLD_SIZE": str(job.nproc),
+        "GROUP_WORLD_SIZE": str(job.nnodes), "ROLE_WORLD_SIZE": str(job.world), "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": job.run_id,
         # Rank 0 hosts the store (see [Note: master port claim]); torch's agent would host it itself.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -79,8 +92,10 @@ def claim(port: int) -> socket.socket | None:
     return holder
 
 
-def claim_master_port(job: Job) -> tuple[int, socket.socket]:
-    """The port this job's store will bind, claimed (see [Note: master port claim])."""
+def claim_master_port(job: Job) -> tuple[int, socket.socket | None]:
+    """The port this job's store will bind, claimed on node 0 (see [Note: master port claim])."""
+    if job.node_rank != 0:
+        return job.master_port, None  # the store is node 0's
     holder = claim(job.master_port)
     if holder is not None and port_is_free(job.master_port):
         return job.master_port, holder
@@ -184,10 +199,10 @@ class Ranks:
 
     def failures(self) -> list[Failure]:
         host = host_name()
-        return [failure_from_record(rank=rank, local_rank=rank, pid=self.processes[rank].pid,
-                                    exitcode=self.processes[rank].returncode, record=_read_json(self.error_files[rank]),
-                                    seen_at=self.ended[rank], host=host)
-                for rank in self.failed()]
+        return [failure_from_record(rank=self.job.first_rank + local, local_rank=local, pid=self.processes[local].pid,
+                                    exitcode=self.processes[local].returncode, record=_read_json(self.error_files[local]),
+                                    seen_at=self.ended[local], host=host)
+                for local in self.failed()]
 
 
 def run(job: Job) -> None:
@@ -210,7 +225,8 @@ def run(job: Job) -> None:
     finally:
         if ranks.running():  # the agent's own error: no rank outlives it
             ranks.stop(signal.SIGTERM)
-        holder.close()
+        if holder is not None:
+            holder.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
