@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -71,7 +72,11 @@ def test_a_one_node_launch_imports_no_torch_and_leaves_no_folder(tmp_path: Path)
     assert list(scratch.iterdir()) == []
 
 
-def test_a_claimed_port_is_replaced_when_picked_and_refused_when_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("platform", ["linux", "darwin"])  # an abstract Unix socket; a file lock elsewhere
+def test_a_claimed_port_is_replaced_when_picked_and_refused_when_asked_for(
+        platform: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the lock files' folder
     port = free_port()
     holder = static_agent.claim(port)
     assert holder is not None

@@ -12,13 +12,15 @@ keep torch's agent (``local.run_agent``): they need its rendezvous.
 [Note: master port claim] Without an agent store, rank 0's TCPStore binds the master port, seconds after the
 launcher checked it (the rank imports torch first). Two launchers on one machine could both pick 29500 in that
 gap, and then one job's ranks would join the other job's store: not a crash but a mixed-up job. The agent of
-the store's node (node 0) therefore claims its port for the job's life with an abstract Unix socket named after it (per network
-namespace, like the port itself; the kernel frees it when the agent dies). A claimed or bound port is replaced
-when the launcher picked it, and refused when the user asked for it.
+the store's node (node 0) therefore claims its port for the job's life with an abstract Unix socket named after
+it (per network namespace, like the port itself; the kernel frees it when the agent dies), or a file lock where
+there are no abstract sockets. A claimed or bound port is replaced when the launcher picked it, and refused when
+the user asked for it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -31,6 +33,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO, Union
 
 from shardwise.error_file import host_name
 from shardwise.launcher.failures import AgentStopped, Failure, RanksFailed, failure_from_record
@@ -42,6 +45,7 @@ POLL_S = 0.05
 STOP_GRACE_S = 30.0  # as torch's agent: a stopped rank may save or clean up before SIGKILL
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's --signals-to-handle default
 CLAIM_PREFIX = "shardwise-master-port-"
+Claim = Union[socket.socket, IO[str]]  # closing it ends the claim
 
 
 @dataclass(frozen=True)
@@ -81,18 +85,27 @@ def rank_env(job: Job, local_rank: int, port: int, error_file: str) -> dict[str,
     }
 
 
-def claim(port: int) -> socket.socket | None:
+def claim(port: int) -> Claim | None:
     """This job's hold on ``port`` among shardwise launchers here, or None when another launcher holds it."""
-    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if sys.platform.startswith("linux"):
+        holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            holder.bind(f"\0{CLAIM_PREFIX}{port}")
+        except OSError:
+            holder.close()
+            return None
+        return holder
+    # No abstract sockets elsewhere: a lock on a file (also freed when the process dies), machine-wide.
+    handle = open(os.path.join(tempfile.gettempdir(), f"{CLAIM_PREFIX}{port}.lock"), "a")  # noqa: SIM115 - held
     try:
-        holder.bind(f"\0{CLAIM_PREFIX}{port}")
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder.close()
+        handle.close()
         return None
-    return holder
+    return handle
 
 
-def claim_master_port(job: Job) -> tuple[int, socket.socket | None]:
+def claim_master_port(job: Job) -> tuple[int, Claim | None]:
     """The port this job's store will bind, claimed on node 0 (see [Note: master port claim])."""
     if job.node_rank != 0:
         return job.master_port, None  # the store is node 0's
