@@ -1,21 +1,22 @@
 """One node's launch: runs a :class:`LocalLaunch` plan under an agent and turns a failure into a message and a code.
 
-A one-node job with a fixed world runs under ``static_agent.py`` (stdlib only: see [Note: own agent] there); a node
-of a multi-node job, or an elastic job, under PyTorch's elastic agent (``torch.distributed.run``), whose rendezvous
-it needs. Either agent gives the ranks torchrun's variables (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT...)
-and stops the other ranks when one fails. torch is imported only for the latter.
+A job with a fixed world whose ranks are known here (one node, or a node of a hostfile's job) runs under
+``static_agent.py`` (stdlib only: see [Note: own agent] there); an elastic job, or a Kubeflow pod, under PyTorch's
+elastic agent (``torch.distributed.run``), whose rendezvous it needs. Either agent gives the ranks torchrun's
+variables (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT...) and stops the other ranks when one fails. torch
+is imported only for the latter.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 
 from shardwise.distributed import parent_watchdog as watchdog
+from shardwise.error_file import host_name
 from shardwise.launcher import affinity, bootstrap, static_agent
 from shardwise.launcher.failures import AgentStopped, Failure, RanksFailed, first_failure, from_child_failed
 from shardwise.launcher.messages import say
@@ -191,12 +192,10 @@ def run_agent(plan: LocalLaunch) -> None:
 def static_job(plan: LocalLaunch) -> static_agent.Job:
     """The plan (already through :func:`in_bootstrap`) as ``static_agent`` runs it: ``python -u -m ...`` as torchrun."""
     signals = tuple(plan.agent_signals.split(",")) if plan.agent_signals else static_agent.DEFAULT_SIGNALS
-    nnodes = int(plan.nnodes)
     return static_agent.Job(nproc=plan.nproc, argv=("-u", "-m", plan.script, *worker_args(plan)),
                             master_addr=plan.master_addr, master_port=plan.master_port, port_chosen=plan.port_chosen,
-                            run_id=plan.run_id, signals=signals, node_rank=plan.node_rank, nnodes=nnodes,
-                            first_rank=plan.first_rank or 0,
-                            world_size=plan.world_size if plan.world_size is not None else plan.nproc)
+                            run_id=plan.run_id, signals=signals, node_rank=plan.node_rank, nnodes=int(plan.nnodes),
+                            first_rank=plan.first_rank or 0, world_size=plan.world_size)
 
 
 def _run_torch_agent(plan: LocalLaunch) -> None:
@@ -222,7 +221,7 @@ def _run_torch_agent(plan: LocalLaunch) -> None:
             static_agent.say_port_replaced(plan.master_port, port)
             torchrun.run(torchrun_args(in_bootstrap(replace(plan, master_port=port))))
     except ChildFailedError as error:
-        raise RanksFailed(from_child_failed(error, os.environ.get(bootstrap.HOST_VAR) or socket.gethostname())) from None
+        raise RanksFailed(from_child_failed(error, host_name())) from None
     except SignalException as stop:
         raise AgentStopped(int(stop.sigval)) from None
 

@@ -62,11 +62,11 @@ class Job:
     node_rank: int = 0
     nnodes: int = 1
     first_rank: int = 0  # this node's first global rank
-    world_size: int = 0  # every node's ranks; 0: this node's alone
+    world_size: int | None = None  # every node's ranks; None: this node's alone
 
     @property
     def world(self) -> int:
-        return self.world_size or self.nproc
+        return self.nproc if self.world_size is None else self.world_size
 
 
 def rank_env(job: Job, local_rank: int, port: int, error_file: str) -> dict[str, str]:
