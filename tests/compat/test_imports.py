@@ -166,3 +166,16 @@ def test_deepspeed_and_ds_report_commands():
     done = subprocess.run([os.path.join(bin_dir, "ds_report"), "--hide_operator_status"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "shardwise" in done.stdout
+
+
+def test_the_deepspeed_command_starts_ranks_without_importing_torch():
+    """A launcher process only starts ranks: importing the `deepspeed` package (torch and the engine, ~2 CPU-s per
+    launch) would be paid by every `deepspeed train.py` for nothing. The installed script, as a user runs it."""
+    for name in ("deepspeed", "ds"):
+        script = os.path.join(os.path.dirname(sys.executable), name)
+        done = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith("usage: deepspeed")
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+        assert "shardwise.launcher.cli" in imported, done.stderr[-2000:]  # not vacuous: the import log is there
+        assert not {"torch", "deepspeed"} & imported, sorted({"torch", "deepspeed"} & imported)
