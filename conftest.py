@@ -41,3 +41,28 @@ class _GroupScheduling:
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):  # the hook exists only where xdist is loaded (-p no:xdist)
         config.pluginmanager.register(_GroupScheduling(), "shardwise-group-scheduling")
+
+
+# Variables a library sets once for the rest of the process, not a test's doing: pytest's own (per phase), and the
+# address torch inductor's compiled kernels read at load (restoring it would break the next kernel loaded).
+PROCESS_OWNED_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_")
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged():
+    """Every test leaves os.environ as it found it. The tests of one worker share one process: a variable a test
+    leaves behind reaches every later test and the processes they start (GLOO_SOCKET_IFNAME=lo, left by an in-process
+    launch, made later multi-node ranks announce 127.0.0.1 to their peers on other hosts). Set up before any fixture a
+    test asks for, so this runs after monkeypatch has undone its changes."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(k for k in before.keys() | os.environ.keys()
+                     if before.get(k) != os.environ.get(k) and not k.startswith(PROCESS_OWNED_VARIABLES))
+    if changed:
+        for key in changed:  # the next tests run in the environment they expect
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        pytest.fail(f"the test changed os.environ and left it so: {changed}. Use monkeypatch.setenv/delenv (delenv "
+                    "of an absent variable records nothing to undo: setenv it first) or restore it in a finally.")

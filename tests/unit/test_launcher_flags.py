@@ -163,8 +163,9 @@ def test_one_host_hostfile_runs_here_and_says_so_when_the_host_is_elsewhere(
 def test_no_ssh_starts_only_this_nodes_agent(script: Path, started: list, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.launcher import bootstrap
 
-    for var in (bootstrap.HOST_VAR, "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(var, raising=False)  # set by the node's plan; restored after the test
+    for var in (bootstrap.HOST_VAR, "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES"):  # the node's plan sets them
+        monkeypatch.setenv(var, "")  # so that the test's end restores them: a delenv of an absent one records nothing
+        monkeypatch.delenv(var)
     assert cli.main(["--hostfile=two_hosts", "--no_ssh", "--node_rank=1", "--master_addr=127.0.0.1",
                      "--master_port=29999", str(script), "--lr", "1"]) == 0
     (plan,) = started

@@ -4,6 +4,7 @@ own group when pytest 9 dropped xdist's @group node-id suffix), costing minutes 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -39,3 +40,34 @@ def test_each_file_and_the_hosts_group_run_whole_on_one_worker(tmp_path: Path) -
     assert all(len(ran_on) == 1 for ran_on in workers.values()), workers
     assert workers["test_multinode"] == workers["test_elastic"], workers
     assert len(set.union(*workers.values())) == 2, f"one worker did everything: {workers}"
+
+
+LEAKING_TESTS = """
+import os
+
+def test_leaks(monkeypatch):
+    monkeypatch.delenv("SHARDWISE_GUARD_PROBE", raising=False)  # absent: records nothing to undo
+    os.environ["SHARDWISE_GUARD_PROBE"] = "lo"
+
+def test_after_it():
+    assert "SHARDWISE_GUARD_PROBE" not in os.environ
+
+def test_restores_with_monkeypatch(monkeypatch):
+    monkeypatch.setenv("SHARDWISE_GUARD_PROBE", "lo")
+
+def test_a_library_owned_variable_may_stay():
+    os.environ["_TORCHINDUCTOR_GUARD_PROBE"] = "1"
+"""
+
+
+def test_a_variable_a_test_leaves_in_the_environment_fails_it_and_is_undone(tmp_path: Path) -> None:
+    """A worker's tests share its environment: a leaked GLOO_SOCKET_IFNAME=lo once broke every multi-node test that
+    ran after it on the same worker (conftest.py's `_environment_unchanged`)."""
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_leaky.py").write_text(LEAKING_TESTS)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                             str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if "GUARD_PROBE" not in k})
+    assert "4 passed, 1 error" in result.stdout, result.stdout
+    assert "ERROR at teardown of test_leaks" in result.stdout
+    assert "left it so: ['SHARDWISE_GUARD_PROBE']" in result.stdout
