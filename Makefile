@@ -20,7 +20,9 @@ UV_SPEC ?= uv==0.13.9
 install_uv = $(if $(UV_SPEC),$(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
 	|| echo "$(UV_SPEC) could not be installed; pip installs instead",true)
 # $(call uv_or,<venv>,<install arguments>): "uv installs them, or ", empty where UV_SPEC is; pip's command follows.
-uv_or = $(if $(UV_SPEC),{ [ -x $(1)/bin/uv ] && $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2); } || )
+# A uv that is there but fails says so (its own errors may be hidden, as torch's are), so a slow pip is explained.
+uv_or = $(if $(UV_SPEC),{ [ -x $(1)/bin/uv ] && { $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2) \
+	|| { echo "uv could not install them; pip installs instead" >&2; false; }; }; } || )
 pip_find_links = $$($(1)/bin/pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$$/--find-links \1/p" | sort -u)
 # $(call bulk_install,<venv>,<pip install arguments>)
 bulk_install = $(call uv_or,$(1),$(2))$(1)/bin/pip install $(PIP_FLAGS) $(2)
