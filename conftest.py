@@ -43,9 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_GroupScheduling(), "shardwise-group-scheduling")
 
 
-# Variables a library sets once for the rest of the process, not a test's doing: pytest's own (per phase), and the
-# address torch inductor's compiled kernels read at load (restoring it would break the next kernel loaded).
-PROCESS_OWNED_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_")
+# Variables a library sets once for the rest of the process, not a test's doing: pytest's own (per phase), and torch
+# inductor's cache folder and the address its compiled kernels read at load (undoing that breaks the next one loaded).
+PROCESS_OWNED_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_")
 
 
 @pytest.fixture(autouse=True)
