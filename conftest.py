@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -48,21 +49,45 @@ def pytest_configure(config: pytest.Config) -> None:
 PROCESS_OWNED_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_")
 
 
+def _process_settings() -> dict[str, object]:
+    """What else a test could change for every later test of its worker: the working folder, and torch's default
+    dtype and intra-op threads (once torch is imported; importing it here would cost every unit test)."""
+    settings: dict[str, object] = {"working folder": os.getcwd()}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_default_dtype"):
+        settings.update({"torch default dtype": torch.get_default_dtype(), "torch threads": torch.get_num_threads()})
+    return settings
+
+
 @pytest.fixture(autouse=True)
 def _environment_unchanged():
-    """Every test leaves os.environ as it found it. The tests of one worker share one process: a variable a test
-    leaves behind reaches every later test and the processes they start (GLOO_SOCKET_IFNAME=lo, left by an in-process
-    launch, made later multi-node ranks announce 127.0.0.1 to their peers on other hosts). Set up before any fixture a
-    test asks for, so this runs after monkeypatch has undone its changes."""
-    before = dict(os.environ)
+    """Every test leaves os.environ (and `_process_settings`) as it found them. The tests of one worker share one
+    process: a variable a test leaves behind reaches every later test and the processes they start
+    (GLOO_SOCKET_IFNAME=lo, left by an in-process launch, made later multi-node ranks announce 127.0.0.1 to their
+    peers on other hosts). Set up before any fixture a test asks for, so this runs after monkeypatch has undone its
+    changes."""
+    before, settings = dict(os.environ), _process_settings()
     yield
     changed = sorted(k for k in before.keys() | os.environ.keys()
                      if before.get(k) != os.environ.get(k) and not k.startswith(PROCESS_OWNED_VARIABLES))
-    if changed:
-        for key in changed:  # the next tests run in the environment they expect
-            if key in before:
-                os.environ[key] = before[key]
-            else:
-                del os.environ[key]
-        pytest.fail(f"the test changed os.environ and left it so: {changed}. Use monkeypatch.setenv/delenv (delenv "
-                    "of an absent variable records nothing to undo: setenv it first) or restore it in a finally.")
+    for key in changed:  # the next tests run in the environment they expect
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+    after = _process_settings()
+    moved = {name: (value, after[name]) for name, value in settings.items() if after.get(name, value) != value}
+    if moved:
+        _restore_settings(settings)
+    if changed or moved:
+        pytest.fail(f"the test left its worker changed: os.environ {changed}, {moved}. Use monkeypatch "
+                    "(setenv/delenv/chdir; setenv before a delenv of a variable that may be absent, whose delenv "
+                    "records nothing to undo) or restore it in a finally.")
+
+
+def _restore_settings(settings: dict[str, object]) -> None:
+    os.chdir(settings["working folder"])
+    if "torch default dtype" in settings:
+        torch = sys.modules["torch"]
+        torch.set_default_dtype(settings["torch default dtype"])
+        torch.set_num_threads(settings["torch threads"])

@@ -57,10 +57,18 @@ def test_restores_with_monkeypatch(monkeypatch):
 
 def test_a_library_owned_variable_may_stay():
     os.environ["_TORCHINDUCTOR_GUARD_PROBE"] = "1"
+
+START = os.getcwd()
+
+def test_changes_folder(tmp_path):
+    os.chdir(tmp_path)
+
+def test_back_in_its_folder():
+    assert os.getcwd() == START
 """
 
 
-def test_a_variable_a_test_leaves_in_the_environment_fails_it_and_is_undone(tmp_path: Path) -> None:
+def test_a_variable_or_folder_a_test_leaves_behind_fails_it_and_is_undone(tmp_path: Path) -> None:
     """A worker's tests share its environment: a leaked GLOO_SOCKET_IFNAME=lo once broke every multi-node test that
     ran after it on the same worker (conftest.py's `_environment_unchanged`)."""
     shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
@@ -68,6 +76,7 @@ def test_a_variable_a_test_leaves_in_the_environment_fails_it_and_is_undone(tmp_
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                              str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if "GUARD_PROBE" not in k})
-    assert "4 passed, 1 error" in result.stdout, result.stdout
-    assert "ERROR at teardown of test_leaks" in result.stdout
-    assert "left it so: ['SHARDWISE_GUARD_PROBE']" in result.stdout
+    assert "6 passed, 2 errors" in result.stdout, result.stdout
+    assert "ERROR at teardown of test_leaks" in result.stdout and "ERROR at teardown of test_changes_folder" in result.stdout
+    assert "os.environ ['SHARDWISE_GUARD_PROBE'], {}" in result.stdout
+    assert "os.environ [], {'working folder'" in result.stdout
