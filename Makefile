@@ -9,19 +9,25 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= $(TORCH_CPU_INDEX)
-PIP_FLAGS := -q --disable-pip-version-check
+# Bytecode is written as modules are first imported, not at install: byte-compiling all ~15,000 files of a venv
+# (transformers' 2,900 of which the tests import a few hundred) took ~50 CPU-s per venv, the imports of a whole
+# `make test` compile ~15. So installers do not compile (pip --no-compile; uv's default), and the recipes here
+# write what they import even where PYTHONDONTWRITEBYTECODE is set (as on CI), where every interpreter would
+# otherwise compile torch anew. `make install` imports what every shardwise process does (WARM_IMPORTS) once, so
+# that scripts run outside make find those compiled too.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_FLAGS := -q --disable-pip-version-check --no-compile
 # uv (from PyPI, put in each venv first) installs torch and the ~100 packages beyond it: with the test and docs
-# extras ~20 s where pip takes ~130 s on a clean machine (CI installs both venvs from nothing on every run). uv reads
+# extras ~6 s where pip takes ~130 s on a clean machine (CI installs both venvs from nothing on every run). uv reads
 # neither pip's configuration nor its constraints: for torch's local CPU wheel it is given pip's find-links. Where
-# uv cannot be installed or fails, pip does the same work as before. UV_SPEC= (empty): pip alone. Byte-compiled at
-# install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI) every interpreter would compile transformers anew.
+# uv cannot be installed or fails, pip does the same work as before. UV_SPEC= (empty): pip alone.
 UV_SPEC ?= uv==0.13.9
 # $(call install_uv,<venv>)
 install_uv = $(if $(UV_SPEC),$(1)/bin/pip install $(PIP_FLAGS) "$(UV_SPEC)" > /dev/null 2>&1 \
 	|| echo "$(UV_SPEC) could not be installed; pip installs instead",true)
 # $(call uv_or,<venv>,<install arguments>): "uv installs them, or ", empty where UV_SPEC is; pip's command follows.
 # A uv that is there but fails says so (its own errors may be hidden, as torch's are), so a slow pip is explained.
-uv_or = $(if $(UV_SPEC),{ [ -x $(1)/bin/uv ] && { $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(2) \
+uv_or = $(if $(UV_SPEC),{ [ -x $(1)/bin/uv ] && { $(1)/bin/uv pip install -q --python $(1)/bin/python $(2) \
 	|| { echo "uv could not install them; pip installs instead" >&2; false; }; }; } || )
 pip_find_links = $$($(1)/bin/pip config list 2>/dev/null | sed -n "s/^.*find-links='\(.*\)'$$/--find-links \1/p" | sort -u)
 # $(call bulk_install,<venv>,<pip install arguments>)
@@ -33,6 +39,8 @@ install_torch = $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),$(call uv_or,$(
 	|| { echo "$(TORCH_SPEC): not where pip looks by default; installing it from $(TORCH_INDEX)"; $(call torch_from_index,$(1)); },$(call torch_from_index,$(1)))
 VENV := .venv
 SHARDWISE_EDITABLE := -e ".[test,docs]"
+# torch's optimizers import torch._dynamo at their first step
+WARM_IMPORTS := torch._dynamo, torch.distributed, transformers, shardwise, deepspeed
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NUM_PROCS ?= 2
@@ -52,6 +60,7 @@ $(STAMP): pyproject.toml compat/deepspeed/pyproject.toml
 	$(call install_torch,$(VENV))
 	$(call bulk_install,$(VENV),$(SHARDWISE_EDITABLE))
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps -e ./compat/deepspeed
+	$(BIN)/python -c "import $(WARM_IMPORTS)"
 	touch $@
 
 install: $(STAMP)
@@ -78,13 +87,8 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
-# Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (as on CI) every one of the ~240 interpreters the
-# tests start would otherwise compile shardwise's and the tests' sources again (~0.2 s of CPU each).
-BYTECODE = $(BIN)/python -m compileall -q src compat/deepspeed tests conftest.py > /dev/null
-
 # The 30 slowest test phases close the output, so every CI log says where its minutes went.
 test: $(STAMP)
-	$(BYTECODE)
 	$(BIN)/python -m pytest -q -rs $(XDIST) --durations=30
 
 # The same transformers/peft/accelerate/trl as .venv, with the real DeepSpeed instead of the compat package. In two
@@ -94,7 +98,7 @@ $(DS_BASE):
 	$(PYTHON) -m venv $(DS_VENV)
 	$(call install_uv,$(DS_VENV))
 	$(call install_torch,$(DS_VENV))
-	$(DS_VENV)/bin/pip install -q --disable-pip-version-check "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
+	$(DS_VENV)/bin/pip install $(PIP_FLAGS) "$(DEEPSPEED_SPEC)" pydantic safetensors rich \
 		pytest pytest-timeout pytest-xdist
 	touch $@
 
@@ -116,7 +120,6 @@ test-deepspeed: $(STAMP) $(DS_STAMP)
 	@# DeepSpeed builds its CPU ops on first use under torch's file lock; a build killed mid-way (Ctrl-C, a
 	@# timeout) leaves the lock behind and every later load waits on it forever. No build takes 10 minutes.
 	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +10 -print -delete 2>/dev/null || true
-	$(BYTECODE)
 	@# DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffers (66 MB per rank and run): whatever the
 	@# outcome, the ones no process uses any more go (tools/deepspeed_shm_leftovers.py).
 	status=0; \
