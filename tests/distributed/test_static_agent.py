@@ -165,3 +165,43 @@ def test_a_hostfile_node_gets_the_global_ranks_torchs_static_rendezvous_gives() 
     assert {(e["WORLD_SIZE"], e["ROLE_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in envs} == {("6", "6", "3")}
     elastic = JobSpec(**{**spec.__dict__, "elastic": Elastic(min_nodes=1, max_nodes=3, max_restarts=3)})
     assert not local.uses_own_agent(node.agent_plan(elastic, 1))
+
+
+WRAPPER = """#!/bin/sh
+echo "$RANK [$1] $2 $3 $4" >> {log}
+shift
+exec {python} "$@"
+"""
+
+
+@pytest.mark.parametrize("agent", ["own", "torch's (elastic)"])
+def test_every_rank_runs_under_the_rank_python_command(tmp_path: Path, agent: str) -> None:
+    """SHARDWISE_RANK_PYTHON (a profiler or numactl wrapper) stands in for `python` on both agents."""
+    wrapper, log, script = tmp_path / "wrap", tmp_path / "wrapped.log", tmp_path / "hello.py"
+    wrapper.write_text(WRAPPER.format(log=log, python=sys.executable))
+    wrapper.chmod(0o755)
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n")
+    env = {**child_env(), static_agent.RANK_PYTHON_VAR: f"{wrapper} 'its own arg'"}
+    flags = [] if agent == "own" else ["--elastic_training"]
+    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", *flags,
+                             f"--master_port={free_port()}", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()[-2:]) == ["rank 0", "rank 1"], result.stdout
+    assert sorted(log.read_text().splitlines()) == [f"{rank} [its own arg] -u -m shardwise.launcher.bootstrap"
+                                                    for rank in (0, 1)]
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("no-such-wrapper-here python", "'no-such-wrapper-here' is not a program on PATH"),
+    ("py-spy record -o 'rank.svg -- python", "cannot be split into a command line"),
+])
+def test_a_bad_rank_python_command_is_refused_before_any_rank_starts(tmp_path: Path, setting: str,
+                                                                     message: str) -> None:
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    env = {**child_env(), static_agent.RANK_PYTHON_VAR: setting}
+    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "--num_gpus", "2", f"--master_port={free_port()}",
+                             str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and message in result.stderr and "SHARDWISE_RANK_PYTHON" in result.stderr, result.stderr
+    assert not (tmp_path / "ran").exists()

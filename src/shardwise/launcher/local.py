@@ -111,9 +111,14 @@ def worker_args(plan: LocalLaunch) -> list[str]:
 def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     """The ``argparse.Namespace`` that ``torch.distributed.run.run`` takes for this plan.
 
-    The script's own args are set after parsing so nothing in them is read as a torchrun option.
+    The script's own args are set after parsing so nothing in them is read as a torchrun option. A rank command
+    of the user's (see [Note: rank python] in static_agent.py) is the agent's ``--no-python`` executable, with
+    what torchrun would give python after it.
     """
     import torch.distributed.run as torchrun
+
+    python = static_agent.rank_python()
+    wrapped = python != [sys.executable]
 
     argv = [
         f"--nnodes={plan.nnodes}",
@@ -128,11 +133,15 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
         argv += [f"--rdzv-endpoint={plan.master_addr}:{plan.master_port}"]
         argv += [f"--rdzv-conf={plan.rdzv_conf}"] if plan.rdzv_conf else []
     argv += [f"--local-addr={plan.local_addr}"] if plan.local_addr else []
-    argv += ["--module"] if plan.module else []
-    argv += ["--no-python"] if plan.no_python else []
+    argv += ["--module"] if plan.module and not wrapped else []
+    argv += ["--no-python"] if plan.no_python or wrapped else []
     argv += [f"--signals-to-handle={plan.agent_signals}"] if plan.agent_signals else []
-    args = torchrun.get_args_parser().parse_args([*argv, plan.script])
-    args.training_script_args = worker_args(plan)
+    if not wrapped:
+        args = torchrun.get_args_parser().parse_args([*argv, plan.script])
+        args.training_script_args = worker_args(plan)
+        return args
+    args = torchrun.get_args_parser().parse_args([*argv, python[0]])
+    args.training_script_args = [*python[1:], "-u", *(["-m"] if plan.module else []), plan.script, *worker_args(plan)]
     return args
 
 

@@ -16,6 +16,12 @@ the store's node (node 0) therefore claims its port for the job's life with an a
 it (per network namespace, like the port itself; the kernel frees it when the agent dies), or a file lock where
 there are no abstract sockets. A claimed or bound port is replaced when the launcher picked it, and refused when
 the user asked for it.
+
+[Note: rank python] Each rank is ``python -u -m shardwise.launcher.bootstrap ...`` with the launcher's interpreter.
+``SHARDWISE_RANK_PYTHON`` names another command to run in its place (split as a shell would): a wrapper that
+runs Python, e.g. ``py-spy record -o rank.svg -- python`` or ``numactl --interleave=all python``. The launcher
+signals and waits for the process it started, so a wrapper must pass signals on and exit as Python did. Jobs on
+torch's agent (elastic, Kubeflow pods) run it too, as the agent's ``--no-python`` program (``local.torchrun_args``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -45,6 +52,7 @@ POLL_S = 0.05
 STOP_GRACE_S = 30.0  # as torch's agent: a stopped rank may save or clean up before SIGKILL
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's --signals-to-handle default
 CLAIM_PREFIX = "shardwise-master-port-"
+RANK_PYTHON_VAR = "SHARDWISE_RANK_PYTHON"  # see [Note: rank python]
 Claim = Union[socket.socket, IO[str]]  # closing it ends the claim
 
 
@@ -83,6 +91,23 @@ def rank_env(job: Job, local_rank: int, port: int, error_file: str) -> dict[str,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": error_file, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(job.signals),
     }
+
+
+def rank_python() -> list[str]:
+    """The command that runs each rank's Python (see [Note: rank python]); a bad setting is refused before any
+    rank starts."""
+    setting = os.environ.get(RANK_PYTHON_VAR, "")
+    if not setting.strip():
+        return [sys.executable]
+    try:
+        command = shlex.split(setting)
+    except ValueError as error:
+        raise LaunchError(f"SHARDWISE_RANK_PYTHON={setting!r} cannot be split into a command line ({error}); quote "
+                          "it as a shell would, or unset it.") from None
+    if shutil.which(command[0]) is None:
+        raise LaunchError(f"SHARDWISE_RANK_PYTHON={setting!r}: {command[0]!r} is not a program on PATH; set it to a "
+                          "command that runs Python (e.g. 'py-spy record -o rank.svg -- python'), or unset it.")
+    return command
 
 
 def claim(port: int) -> Claim | None:
@@ -172,10 +197,10 @@ class Ranks:
         self.processes: list[subprocess.Popen] = []
         self.ended: dict[int, float] = {}  # rank -> when the agent saw it end
 
-    def start(self, port: int) -> None:
+    def start(self, port: int, python: list[str]) -> None:
         for rank in range(self.job.nproc):
             env = {**os.environ, **rank_env(self.job, rank, port, self.error_files[rank])}
-            self.processes.append(subprocess.Popen([sys.executable, *self.job.argv], env=env, start_new_session=True))
+            self.processes.append(subprocess.Popen([*python, *self.job.argv], env=env, start_new_session=True))
 
     def poll(self) -> None:
         for rank, process in enumerate(self.processes):
@@ -220,6 +245,7 @@ class Ranks:
 
 def run(job: Job) -> None:
     """Run the job to its end; raises :class:`RanksFailed` or :class:`AgentStopped` as torch's agent's errors do."""
+    python = rank_python()
     port, holder = claim_master_port(job)
     folder = tempfile.mkdtemp(prefix="shardwise-job-")
     signals = Signals()
@@ -227,7 +253,7 @@ def run(job: Job) -> None:
     try:
         with signals.handled(job.signals):
             try:
-                ranks.start(port)
+                ranks.start(port, python)
                 ranks.wait()
             except _Stop as stop:
                 ranks.stop(stop.signum)
