@@ -91,3 +91,15 @@ def _restore_settings(settings: dict[str, object]) -> None:
         torch = sys.modules["torch"]
         torch.set_default_dtype(settings["torch default dtype"])
         torch.set_num_threads(settings["torch threads"])
+
+
+@pytest.fixture
+def zygote_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shardwise launches of this test fork their ranks from a pre-imported interpreter (tests/rank_zygote.py):
+    ~3 CPU-s of imports saved per rank. For tests of training through the launcher, not of its processes (signals,
+    parents, process groups) or of ranks in network-namespace hosts; a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("zygote_ranks")``."""
+    from tests.rank_zygote import routing
+
+    for name, value in routing().items():
+        monkeypatch.setenv(name, value)

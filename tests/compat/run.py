@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardwise.distributed.env import free_port
 from tests.compat.zygote import Zygote
+from tests.rank_zygote import HF_PRELOAD, routing
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parents[2]
@@ -50,6 +51,8 @@ def run_script(name: str, *args: str, world: int = 1, python: str = sys.executab
                    script, *args]
     else:
         command = [str(Path(python).parent / "deepspeed"), f"--num_gpus={world}", f"--master_port={port}", script, *args]
+        if python == sys.executable:  # shardwise's launcher: its ranks fork from a pre-imported interpreter
+            full_env.update(routing(HF_PRELOAD))
     done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return _result(python, command, done.returncode, done.stdout, done.stderr)
 

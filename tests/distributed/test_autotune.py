@@ -86,6 +86,7 @@ def _autotune(cwd: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.usefixtures("zygote_ranks")
 def test_autotuning_run_searches_writes_its_results_resumes_and_trains(tmp_path: Path) -> None:
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

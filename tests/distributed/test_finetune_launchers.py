@@ -20,6 +20,7 @@ from tests.distributed.test_finetune_lora import BUNDLED, model_dirs  # noqa: F4
 from tests.distributed.test_k8s import run_pods
 from tests.distributed.test_multinode import RUN_TIMEOUT_S, child_env, launcher_cmd, run_ok, ssh_args
 from tests.distributed.test_multinode_hosts import Hosts, namespace_hosts
+from tests.rank_zygote import HF_PRELOAD, routing
 
 pytest.importorskip("peft")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -53,7 +54,8 @@ def llama(model_dirs: dict[str, Path]) -> Path:  # noqa: F811 - the imported fix
 @pytest.fixture(scope="module")
 def under_shardwise(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("shardwise")
-    stdout = run_ok(launcher_cmd(["--num_gpus", "2", str(SCRIPT), *script_args(llama, out)]), out, child_env()).stdout
+    stdout = run_ok(launcher_cmd(["--num_gpus", "2", str(SCRIPT), *script_args(llama, out)]), out,
+                    {**child_env(), **routing(HF_PRELOAD)}).stdout
     assert "lora fine-tuning" in stdout and (out / "adapter" / "adapter_config.json").exists(), stdout[-3000:]
     trained = adapter(out)
     assert any("lora_B" in name and value.abs().sum() > 0 for name, value in trained.items())  # B starts at zero
@@ -70,7 +72,7 @@ def test_torchrun_writes_the_same_adapter(llama: Path, under_shardwise: dict, tm
 def test_kubernetes_pods_write_the_same_adapter(llama: Path, under_shardwise: dict, tmp_path: Path) -> None:
     args = k8s.build_parser().parse_args(["--name", "ft", "--image", "img", "--workers", "2", "--gpus-per-worker", "1",
                                           "--", str(SCRIPT), *script_args(llama, tmp_path)])
-    run_pods(k8s.build_manifest(args), tmp_path, timeout=RUN_TIMEOUT_S)
+    run_pods(k8s.build_manifest(args), tmp_path, timeout=RUN_TIMEOUT_S, preload=HF_PRELOAD)
     assert_same_adapter(adapter(tmp_path), under_shardwise)
 
 

@@ -18,6 +18,7 @@ import torch
 from tests.distributed.test_finetune_lora import BUNDLED, model_dirs  # noqa: F401 - the fixture
 from tests.distributed.test_multinode import child_env, launcher_cmd, run_ok
 from tests.harness import run_distributed
+from tests.rank_zygote import HF_PRELOAD, routing
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -40,7 +41,7 @@ def trained(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     args = ["--model", str(model_dirs["llama"]), "--output_dir", str(out), "--save_dir", str(out / "checkpoints"),
             "--steps", str(STEPS), "--save_interval", str(STEPS), "--eval_interval", "0", "--samples", "1",
             "--max_new_tokens", "4", "--max_seq_len", "48", "--lr", "2e-2", "--merge"]
-    run_ok(launcher_cmd(["--num_gpus", "2", str(BUNDLED / "train.py"), *args]), out, child_env())
+    run_ok(launcher_cmd(["--num_gpus", "2", str(BUNDLED / "train.py"), *args]), out, {**child_env(), **routing(HF_PRELOAD)})
     assert (out / "checkpoints" / "latest").is_file() and (out / "adapter" / "adapter_config.json").is_file()
     return {"base": model_dirs["llama"], "checkpoint": out / "checkpoints", "adapter": out / "adapter",
             "merged": out / "merged"}

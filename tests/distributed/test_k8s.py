@@ -16,6 +16,7 @@ import pytest
 from shardwise.distributed.env import free_port
 from shardwise.launcher import k8s
 from tests.distributed.test_multinode import TRAIN, child_env
+from tests.rank_zygote import PRELOAD, routing
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -134,14 +135,15 @@ def operator_env(job: dict[str, Any], replica: str, index: int, port: int) -> di
             "PYTHONUNBUFFERED": "1"}
 
 
-def run_pods(job: dict[str, Any], cwd: Path, timeout: float = 150) -> None:
-    """Every pod's command as a local process with the operator's env; all must succeed."""
+def run_pods(job: dict[str, Any], cwd: Path, timeout: float = 150, preload: tuple[str, ...] = PRELOAD) -> None:
+    """Every pod's command as a local process with the operator's env (its ranks forked from a zygote that
+    imported ``preload``, tests/rank_zygote.py); all must succeed."""
     port, shardwise_bin = free_port(), str(Path(sys.executable).parent / "shardwise")
     pods = []
     for replica, spec in job["spec"]["pytorchReplicaSpecs"].items():
         container = spec["template"]["spec"]["containers"][0]
         command = [shardwise_bin if word == "shardwise" else word for word in container["command"]]
-        env = {**child_env(), **{e["name"]: e["value"] for e in container["env"]}}
+        env = {**child_env(), **routing(preload), **{e["name"]: e["value"] for e in container["env"]}}
         for index in range(spec["replicas"]):
             pods.append(subprocess.Popen(command, cwd=cwd, env={**env, **operator_env(job, replica, index, port)},
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -19,6 +19,7 @@ from shardwise.distributed.env import free_port
 from shardwise.launcher import k8s
 from tests.distributed.test_k8s import validate
 from tests.distributed.test_multinode import TRAIN, child_env
+from tests.rank_zygote import routing
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -131,7 +132,7 @@ def test_simulated_trainjob_trains_to_the_oracle(tmp_path: Path) -> None:
     assert validate(job, SCHEMA) == []
     trainer, port = job["spec"]["trainer"], free_port()
     path = os.pathsep.join([str(fake_bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**child_env(), **{e["name"]: e["value"] for e in trainer["env"]}, "PATH": path}
+    env = {**child_env(), **routing(), **{e["name"]: e["value"] for e in trainer["env"]}, "PATH": path}
     pods = [subprocess.Popen(trainer["command"], cwd=tmp_path, env={**env, **torch_runtime_env(job, node, port)},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for node in range(trainer["numNodes"])]

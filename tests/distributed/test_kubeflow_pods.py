@@ -23,6 +23,7 @@ from shardwise.distributed.env import DistEnv, EnvError, PodOfJob, discover, fre
 from shardwise.launcher import k8s
 from tests.distributed.test_k8s_trainjob import torch_runtime_env
 from tests.distributed.test_multinode import REPO, child_env
+from tests.rank_zygote import routing
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -60,7 +61,7 @@ def old_operator_env(pod: int, port: int) -> dict[str, str]:
 
 def run_pods(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> list[dict]:
     """Every pod's command at once as a local process with the operator's variables (and nothing of ours)."""
-    base = child_env()
+    base = {**child_env(), **routing()}  # the ranks the launcher starts fork from tests/rank_zygote.py
     base["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO / "compat" / "deepspeed"), str(REPO)])
     base.pop("PYTHONUNBUFFERED", None)
     pods = [subprocess.Popen(command, cwd=cwd, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -327,7 +327,8 @@ def test_busy_default_port_is_replaced_and_said(capsys: pytest.CaptureFixture[st
     from shardwise.launcher import local
 
     with socket.socket() as holder:
-        try:
+        try:  # SO_REUSEADDR: a connection of another test's in TIME_WAIT on the port must not fail the bind
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             holder.bind(("", local.DEFAULT_MASTER_PORT))
             holder.listen()
         except OSError:
