@@ -34,6 +34,7 @@ def real_deepspeed() -> ModuleType:
             reason = "`deepspeed` here is shardwise's compatibility package, not DeepSpeed"
     if reason is None:
         serve_cpu_info_once()
+        lift_cpu_fp16_gate()
         return deepspeed
     message = (f"{reason}; this module compares against the real DeepSpeed 0.19.8. Run it with "
                "`make test-deepspeed` (a .dsvenv with deepspeed==0.19.8), as .ci/run does.")
@@ -60,3 +61,20 @@ def serve_cpu_info_once() -> None:
 
     get_cpu_info.served_once = True
     cpuinfo.get_cpu_info = get_cpu_info
+
+
+def lift_cpu_fp16_gate() -> None:
+    """DeepSpeed's CPU accelerator says fp16 is unsupported unless oneDNN has fp16 kernels for this CPU (Intel's
+    AVX512-FP16/AMX-FP16; not AMD EPYC, not older Intel), and its engine then refuses an fp16 config ("Type fp16 is
+    not supported on your device"). Its fp16 path itself (loss scaling, fp32 masters) runs on torch's CPU kernels
+    on any x86 CPU, and shardwise's side of each comparison runs on the same kernels on the same machine: the
+    reference lifts the gate instead of its fp16 comparisons failing on such machines."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+        return
+    kind = type(accelerator)
+    kind.is_fp16_supported = lambda self: True
+    kind.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
