@@ -30,6 +30,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 SOCKET_VAR = "SHARDWISE_TEST_RANK_ZYGOTE"  # the server's socket; read (and removed) by the client
 RANK_PYTHON_VAR = "SHARDWISE_RANK_PYTHON"  # the launcher runs each rank's python through this command
@@ -38,6 +39,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "n
 HF_PRELOAD = (*PRELOAD, "transformers", "transformers.trainer", "transformers.models.llama.modeling_llama", "peft",
               "accelerate", "datasets", "trl")
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT", "SIGWINCH")
+ORPHAN_POLL_S, ORPHAN_GRACE_S = 0.5, 3.0  # as distributed/parent_watchdog.py
 _HEADER = struct.Struct("!Q")
 _FDS = 3
 
@@ -118,11 +120,23 @@ def client(args: list[str]) -> None:
                           "affinity": sorted(os.sched_getaffinity(0))}).encode()
     conn.sendmsg([_HEADER.pack(len(request))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", range(_FDS)))])
     conn.sendall(request)
-    replies = conn.makefile("r")
-    pid = json.loads(replies.readline())["pid"]
+    parent, received = os.getppid(), bytearray()
+    started = _line(conn, received, None)
+    if not started:
+        sys.stderr.write("rank_zygote: the server did not start the rank\n")
+        sys.exit(1)
+    pid = json.loads(started)["pid"]
     for name in FORWARDED:
         signal.signal(getattr(signal, name), lambda signum, _frame: _kill(pid, signum))
-    line = replies.readline()
+    orphaned_at = None
+    while (line := _line(conn, received, ORPHAN_POLL_S)) is None:
+        # The rank's watchdog watches the server; the launcher is this process's parent, so its death is seen
+        # here and answered as the watchdog would (SIGTERM, then SIGKILL of the rank's session).
+        if orphaned_at is None and os.getppid() != parent:
+            orphaned_at = time.monotonic()
+            _kill(pid, signal.SIGTERM)
+        elif orphaned_at is not None and time.monotonic() - orphaned_at > ORPHAN_GRACE_S:
+            _kill_session(pid)
     if not line:
         sys.stderr.write("rank_zygote: the server went away before the rank ended\n")
         sys.exit(1)
@@ -132,6 +146,20 @@ def client(args: list[str]) -> None:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
+
+
+def _line(conn: socket.socket, received: bytearray, timeout: float | None) -> bytes | None:
+    """The next reply line; b"" when the server closed the connection, None when ``timeout`` passed first."""
+    while b"\n" not in received:
+        if not select.select([conn], [], [], timeout)[0]:
+            return None
+        chunk = conn.recv(4096)
+        if not chunk:
+            return b""
+        received += chunk
+    line, _, rest = bytes(received).partition(b"\n")
+    received[:] = rest
+    return line + b"\n"
 
 
 def _python_plan(args: list[str]) -> dict | None:

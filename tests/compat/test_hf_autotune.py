@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.compat.run import ROOT, SCRIPTS
+from tests.rank_zygote import HF_PRELOAD, routing
 
 
 def test_the_deepspeed_command_tunes_a_trainer_script(tmp_path: Path) -> None:
@@ -28,7 +29,7 @@ def test_the_deepspeed_command_tunes_a_trainer_script(tmp_path: Path) -> None:
     command = [*deepspeed, "--autotuning", "tune", "--num_gpus", "1", str(SCRIPTS / "hf_trainer.py"), "--deepspeed",
                "ds.json", "--out", str(tmp_path / "out"), "--base", str(tmp_path / "base"), "--steps", "20",
                "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1", **routing(HF_PRELOAD)}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "autotuning_results" / "results.json").read_text())

@@ -109,6 +109,23 @@ def test_a_killed_client_takes_its_rank_and_the_ranks_children_with_it(server, t
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_a_rank_whose_launcher_died_stops_as_its_watchdog_would(server, tmp_path: Path) -> None:
+    """The rank's own watchdog watches the server; the client, whose parent the launcher is, stands in."""
+    script = _script(tmp_path, "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    client = [sys.executable, "-I", "-S", rank_zygote.__file__, "client", "-u", str(script)]
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                                 f"subprocess.Popen({client!r})\ntime.sleep(60)\n"], cwd=tmp_path,
+                                env={**os.environ, rank_zygote.SOCKET_VAR: server.path}, stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    rank = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)
+
+
 def test_without_a_server_the_client_runs_the_interpreter_itself(tmp_path: Path) -> None:
     script = _script(tmp_path, "import sys\nprint('torch' in sys.modules, sys.flags.isolated, sys.flags.no_site)\n")
     env = {k: v for k, v in os.environ.items() if k != rank_zygote.SOCKET_VAR}
