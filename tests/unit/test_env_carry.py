@@ -9,12 +9,14 @@ import pytest
 from shardwise.launcher.remote_env import EnvFileError, carried_env, parse_env_file
 
 ENVIRON = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "HOME": "/root", "PATH": "/usr/bin", "SECRET": "x",
-           "TORCHELASTIC_RUN_ID": "old", "GLOO_SOCKET_IFNAME": "eth1", "VIRTUAL_ENV": "/venv", "WANDB_KEY": "k"}
+           "TORCHELASTIC_RUN_ID": "old", "GLOO_SOCKET_IFNAME": "eth1", "VIRTUAL_ENV": "/venv", "WANDB_KEY": "k",
+           "SHARDWISE_RANK_PYTHON": "numactl -i all python", "SHARDWISE_OTHER": "x"}
 
 
 def test_prefixed_variables_and_venv_are_carried(tmp_path: Path) -> None:
     got = carried_env(ENVIRON, str(tmp_path), str(tmp_path))
-    assert got == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "GLOO_SOCKET_IFNAME": "eth1", "VIRTUAL_ENV": "/venv"}
+    assert got == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "GLOO_SOCKET_IFNAME": "eth1", "VIRTUAL_ENV": "/venv",
+                   "SHARDWISE_RANK_PYTHON": "numactl -i all python"}
 
 
 def test_env_files_home_then_cwd_later_wins(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 A remote shell starts with a bare environment, so the launcher carries, in this order (later wins):
 
 1. variables whose names start with :data:`CARRIED_PREFIXES` (``NCCL_*``, ``PYTHON*`` such as
-   ``PYTHONPATH``, ``GLOO_*``/``TORCH_*`` settings, ``UCX_*``, ``OMP_NUM_THREADS`` ...);
+   ``PYTHONPATH``, ``GLOO_*``/``TORCH_*`` settings, ``UCX_*``, ``OMP_NUM_THREADS``, ``SHARDWISE_RANK_PYTHON`` ...);
 2. the active virtual environment (``VIRTUAL_ENV``; its ``bin`` goes first on the remote ``PATH``);
 3. the lines of an env file: ``~/.deepspeed_env``, ``~/.shardwise_env``, then the same names in the
    current directory (or the one file named by ``SHARDWISE_ENV_FILE`` / ``DS_ENV_FILE``). A line is
@@ -16,7 +16,8 @@ import os
 import re
 from collections.abc import Mapping
 
-CARRIED_PREFIXES = ("NCCL_", "PYTHON", "GLOO_", "TORCH_", "UCX_", "FI_", "MLFLOW", "OMP_NUM_THREADS", "HF_")
+CARRIED_PREFIXES = ("NCCL_", "PYTHON", "GLOO_", "TORCH_", "UCX_", "FI_", "MLFLOW", "OMP_NUM_THREADS", "HF_",
+                    "SHARDWISE_RANK_PYTHON")  # a rank wrapper set for the job (static_agent.py) applies on every node
 # Set per node or per rank by the agent; carrying the launcher's value would be wrong.
 NEVER_CARRIED = ("PYTHONHOME", "PYTHONSTARTUP", "TORCHELASTIC_", "TORCH_NPROC_PER_NODE")
 ENV_FILE_NAMES = (".deepspeed_env", ".shardwise_env")
