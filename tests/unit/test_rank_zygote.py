@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import rank_zygote
+from tests.distributed.test_launcher import _alive  # a zombie counts as gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,14 +141,3 @@ def test_an_option_it_does_not_emulate_runs_the_interpreter_itself(server, tmp_p
     out, err = process.communicate(timeout=60)
     assert (process.returncode, out) == (0, "False 1\n"), err
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

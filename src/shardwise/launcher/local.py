@@ -136,12 +136,10 @@ def torchrun_args(plan: LocalLaunch) -> argparse.Namespace:
     argv += ["--module"] if plan.module and not wrapped else []
     argv += ["--no-python"] if plan.no_python or wrapped else []
     argv += [f"--signals-to-handle={plan.agent_signals}"] if plan.agent_signals else []
-    if not wrapped:
-        args = torchrun.get_args_parser().parse_args([*argv, plan.script])
-        args.training_script_args = worker_args(plan)
-        return args
-    args = torchrun.get_args_parser().parse_args([*argv, python[0]])
-    args.training_script_args = [*python[1:], "-u", *(["-m"] if plan.module else []), plan.script, *worker_args(plan)]
+    program, before = (python[0], [*python[1:], "-u", *(["-m"] if plan.module else []), plan.script]) if wrapped \
+        else (plan.script, [])
+    args = torchrun.get_args_parser().parse_args([*argv, program])
+    args.training_script_args = [*before, *worker_args(plan)]
     return args
 
 
