@@ -59,7 +59,8 @@ def gan_iteration(net_g: Any, net_d: Any, backward_d: Any, step_d: Any, backward
 def gan_config(stage: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0  # small modules: keep every parameter partitioned
+        # small modules: keep every parameter partitioned (from world 2: alone, [Note: a unit of one] reads them whole)
+        zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": 10_000, "zero_optimization": zero,
             "optimizer": {"type": "Adam", "params": {"lr": 5e-2, "betas": [0.5, 0.999]}}}

@@ -78,6 +78,52 @@ def test_model_states_are_one_nth_and_traffic_is_three_psi(world):
     assert gathered == 3 * 2 * (psi + frozen)
 
 
+def _alone(offload, precision):
+    from shardwise.zero.stage3.registry import UNIT_OF
+
+    engine = _engine(ds_config(2, 2, zero_optimization={**EAGER, "offload_param": {"device": offload}}, **precision))
+    losses = train_steps(engine, 0, 1)
+    engine.comm.stats.reset()
+    losses += train_steps(engine, 1, STEPS - 1)
+    params = {k: v.float() for k, v in full_state_dict(engine).items()}
+    units, weight = engine.strategy.units, engine.module.hidden.weight
+    with shardwise.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.fill_(0.25)
+    unit = UNIT_OF[weight]
+    slot = unit.layout.slots[unit.index_of(weight)]
+    return {"losses": losses, "params": params, "whole": sorted({(u.whole, u.persistent) for u in units}),
+            "hooked": engine.strategy.hooks is not None,
+            "in_place": all(p.untyped_storage().data_ptr() == u.shard.untyped_storage().data_ptr()
+                            for u in units for p in u.params),
+            "gathered": engine.comm.stats.elements("all_gather"),
+            "edited_master": unit.master.detach()[slot.offset : slot.offset + slot.numel].clone(),
+            "param_bytes": measured_bytes(engine.strategy).params,
+            "trainable": sum(u.numel for u in engine.strategy.trainable), "width": unit.shard.element_size()}
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_a_world_of_one_reads_its_slices_in_place(offload):
+    """[Note: a unit of one]: alone, with the slices on the device, every parameter reads its slice in place (no
+    gather, no copy, no hooks, its memory once); with offload_param the slices live on the host and are gathered
+    as at any size. Both train like the oracle."""
+    out = run_distributed(_alone, 1, offload, {})[0]
+    ref_losses, ref_params = oracle(STEPS, 4)
+    assert_close_run(out["losses"], out["params"], ref_losses, ref_params, rtol=1e-5)
+    if offload == "none":
+        assert out["whole"] == [(True, True)] and not out["hooked"] and out["in_place"]
+        assert out["gathered"] == 0 and out["param_bytes"] == 4 * out["trainable"]
+    else:
+        assert out["whole"] == [(False, False)] and out["hooked"] and not out["in_place"]
+        assert out["gathered"] > 0
+
+
+def test_a_world_of_one_keeps_edits_in_its_16_bit_slices_and_masters():
+    out = run_distributed(_alone, 1, "none", {"bf16": {"enabled": True}})[0]
+    assert out["whole"] == [(True, True)] and out["in_place"] and out["width"] == 2
+    # the fp32 master took the edit (where it did not already round to it: [Note: edits reach the masters])
+    assert torch.all(out["edited_master"].to(torch.bfloat16) == 0.25)
+
+
 def _persistent_units():
     # Threshold 200: the biases and the norm (no weight decay) are small; every weight, and the frozen module, is not.
     engine = _engine(ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 200}))

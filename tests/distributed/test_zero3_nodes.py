@@ -52,9 +52,13 @@ def test_frozen_weights_stay_on_their_node_and_train_like_the_oracle(ranks_per_n
         frozen_numel = sum(p.numel() for p in make_model().frozen.parameters())
         assert mine["frozen_bytes"] == pytest.approx(frozen_numel * 4 / ranks_per_node, abs=16)
         assert plain["frozen_bytes"] == pytest.approx(frozen_numel * 4 / 4, abs=16)
-        # What the data group no longer gathers is exactly what the node gathers instead (up to padding).
+        # What the data group no longer gathers is exactly what the node gathers instead (up to padding); a node of
+        # one rank that keeps its copy on the device reads it in place ([Note: a unit of one]) and gathers nothing.
         moved = plain["gathered"]["data"] - mine["gathered"]["data"]
-        assert mine["gathered"]["node"] > 0 and abs(moved - mine["gathered"]["node"]) <= 4 * 4 * STEPS * ACCUM
+        if ranks_per_node == 1 and offload == "none":
+            assert mine["gathered"]["node"] == 0 and moved > 0
+        else:
+            assert mine["gathered"]["node"] > 0 and abs(moved - mine["gathered"]["node"]) <= 4 * 4 * STEPS * ACCUM
 
 
 def test_one_node_changes_nothing():

@@ -99,7 +99,8 @@ def build_unit(index: int, module_name: str, named: list[tuple[str, torch.nn.Par
     aliased = master_param is not None and master_param.data_ptr() == shard.data_ptr()
     unit = ParamUnit(index, module_name, params, names, shapes, layout, home.keep(index, shard), group, comm, live,
                      persistent=persistent, master=master_param, home=home,
-                     aliased=aliased and not home.offloaded, offload=offload, device=device)
+                     aliased=aliased and not home.offloaded, offload=offload, device=device,
+                     whole=group.size == 1 and not home.offloaded)
     for p in params:
         UNIT_OF[p] = unit
         mark_partitioned(p)

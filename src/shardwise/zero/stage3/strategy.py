@@ -29,6 +29,7 @@ import logging
 import torch
 
 from ...config.notes import note_once, note_once_per_job
+from ...config.sections import ZeroConfig
 from ...distributed.topology import DataSplit
 from ...offload import make_optimizer_offload, make_param_home
 from ...protocols import ModelStateTensors, NoRankLocalState, StateSlot, StrategyInputs
@@ -52,6 +53,9 @@ GRAD_QUANT = BlockQuant(bits=4, block=256)
 
 logger = logging.getLogger(__name__)
 
+_WHOLE = 1 << 62
+"""A persistence threshold no unit reaches."""
+
 
 class Stage3(NoRankLocalState, BucketedGrads):
     reduces_every_micro_step = True
@@ -67,7 +71,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
         self.unit_group: dict[int, int] = {}
         if zero.stage3_module_granularity_threshold > 0:
             _leaves_by_granularity(self.module, zero.stage3_module_granularity_threshold)
-        plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), zero.stage3_param_persistence_threshold)
+        plans = coalesce_persistent(plan_units(self.module, inputs.param_groups), self._persistence(zero))
         for module_name, group_index, named, persistent in plans:
             frozen_on_node = group_index < 0 and zero.node_local_frozen_weights
             node = inputs.node_split if frozen_on_node else None
@@ -84,6 +88,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
         if self.precision.casts_module:
             self.module.to(dtype=self.precision.param_dtype)  # buffers; parameters are placeholders now
         self.trainable = [u for u in self.units if u.master is not None]
+        self._transient = [u for u in self.units if not u.persistent]
         averaging = GradAveraging.make(self.group.size, inputs.prescale_gradients, inputs.gradient_predivide_factor)
         alone = self.group.size == 1  # whole buckets, nothing to reduce ([Note: a data-parallel group of one])
         if alone:
@@ -99,9 +104,10 @@ class Stage3(NoRankLocalState, BucketedGrads):
         coalesce = COALESCE_BUCKET_BYTES // self.precision.grad_accum_dtype.itemsize if streams else 0
         self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
                                    counts_in_norm=inputs.counts_in_norm, coalesce_numel=coalesce)
-        self.hooks = Stage3Hooks(self.module, units_by_module(self.module, self.units), self.live,
-                                 zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
-                                 zero.stage3_max_reuse_distance)
+        self.hooks = None if all(u.persistent for u in self.units) else Stage3Hooks(
+            self.module, units_by_module(self.module, self.units), self.live, zero.stage3_prefetch_bucket_size,
+            zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
+        """None when every unit stays gathered: nothing to gather before a module runs or release after."""
         self._gather_persistent()
         groups = [{**g, "params": []} for g in inputs.param_groups]
         for unit in self.trainable:
@@ -113,6 +119,14 @@ class Stage3(NoRankLocalState, BucketedGrads):
             self.optimizer.param_groups[:] = [g for g in self.optimizer.param_groups if g["params"]]
         self.offload.bind(self.optimizer)
         self.local_state_dict = LocalStateDict(self.module)
+
+    def _persistence(self, zero: ZeroConfig) -> int:
+        """The persistence threshold; in a group of one with the parameters on the device every unit is persistent
+        ([Note: a unit of one]: the slice is the whole, so keeping it gathered costs no memory and no copy, and the
+        modules need no hooks), as FSDP keeps a world of one unsharded."""
+        if self.group.size > 1 or self.param_home.offloaded:
+            return zero.stage3_param_persistence_threshold
+        return _WHOLE
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -130,13 +144,15 @@ class Stage3(NoRankLocalState, BucketedGrads):
 
     def begin_backward(self, reduce: bool) -> None:
         self.buckets.begin(True)
-        self.hooks.in_backward = True
+        if self.hooks is not None:
+            self.hooks.in_backward = True
 
     def finish_backward(self) -> None:
         self.buckets.finish()
-        self.hooks.in_backward = False
-        self.hooks.end_backward()
-        for unit in self.units:
+        if self.hooks is not None:
+            self.hooks.in_backward = False
+            self.hooks.end_backward()
+        for unit in self._transient:
             unit.release()
 
     def optimizer_step(self) -> None:
@@ -154,7 +170,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
     def explain_forward_error(self, error: BaseException) -> str | None:
         """The error with an explanation when the failing forward held parameters that were partitioned (the
         hooks record them as the error passes, `hooks.FailedForward`); None when it did not."""
-        failure = self.hooks.failure
+        failure = self.hooks and self.hooks.failure
         if failure is None or failure.error_id != id(error) or not failure.partitioned:
             return None
         names = ", ".join(failure.partitioned[:5]) + (" ..." if len(failure.partitioned) > 5 else "")
@@ -220,7 +236,7 @@ class Stage3(NoRankLocalState, BucketedGrads):
 
     def model_state_tensors(self) -> ModelStateTensors:
         def stored(units: list[ParamUnit]) -> list[torch.Tensor]:  # slices, whole copies kept resident, hpZ blocks
-            return ([u.shard for u in units] + [u.full for u in units if u.persistent]
+            return ([u.shard for u in units] + [u.full for u in units if u.persistent and not u.whole]
                     + [u.secondary for u in units if u.secondary is not None])
 
         frozen = [u for u in self.units if u.master is None]

@@ -9,6 +9,10 @@ error rather than a read of freed memory. A release that ends a `GatheredParamet
 the gathered storage over to whatever still references it (the caller's `p.data` copies: freed with them)
 and takes a fresh one (`keep_copies`).
 
+[Note: a unit of one] In a group of one whose slice stays on the device (no `offload_param`), the slice is the
+whole flat buffer: `full` is `shard` itself (`whole`). Gathering only points the parameters at it and releasing
+points them away; nothing is copied or freed, and the weights the compute reads are the ones the optimizer steps.
+
 [Note: approximate gathers] The gathers the forward and backward hooks make may take two shortcuts
 (`approximate=True`), both ZeRO++'s: with a secondary group (hpZ) the first gather after a step keeps this
 rank's 1/size of the whole weights, and the gathers after it, until the next step, assemble them from the
@@ -87,6 +91,8 @@ class ParamUnit:
     """ZeRO++ hpZ: the node's ranks that approximate gathers assemble from ([Note: approximate gathers])."""
     quant: Any = None
     """ZeRO++ qwZ: the `BlockQuant` approximate gathers across `group` travel in, or None."""
+    whole: bool = False
+    """`full` is `shard` itself ([Note: a unit of one]): a group of one, the slice on the device."""
     state: UnitState = UnitState.SHARDED
     exact: bool = True
     """The full parameters (when gathering or full) are the stored values, not an approximation of them."""
@@ -107,10 +113,15 @@ class ParamUnit:
             p.data = empty
 
     def _new_full(self) -> None:
-        """A fresh (storage-less until gathered) flat buffer, and the parameters' views into it."""
-        self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
+        """A fresh (storage-less until gathered) flat buffer, and the parameters' views into it; for a `whole` unit
+        the slice itself."""
+        if self.whole:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
         self._views = [self.full[s.offset : s.offset + s.numel].view(shape) for s, shape in zip(self.layout.slots, self.shapes)]
-        self.full.untyped_storage().resize_(0)
+        if not self.whole:
+            self.full.untyped_storage().resize_(0)
 
     @property
     def numel(self) -> int:
@@ -140,7 +151,7 @@ class ParamUnit:
         ZeRO++'s shortcuts ([Note: approximate gathers])."""
         if self.state is UnitState.SHARDED:
             self._start(approximate)
-            if self._plain(approximate):
+            if self.state is UnitState.GATHERING and self._plain(approximate):
                 self._pending = self.comm.all_gather(self.full, self._source, self.group)
 
     def _plain(self, approximate: bool) -> bool:
@@ -150,7 +161,14 @@ class ParamUnit:
 
     def _start(self, approximate: bool) -> None:
         """SHARDED -> GATHERING: the storage, the source and the count; a shortcut gather is issued here, a plain
-        one by the caller (`gather_units`), into `_pending`."""
+        one by the caller (`gather_units`), into `_pending`. A `whole` unit is FULL at once."""
+        if self.whole:
+            if not self.persistent:
+                self.live.add(self.numel)
+            for p, view in zip(self.params, self._views):
+                p.data = view
+            self.state = UnitState.FULL
+            return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         approximate = approximate and not self.persistent
         if approximate and self.secondary is not None:
@@ -183,7 +201,10 @@ class ParamUnit:
         self.secondary = None
 
     def discard_gathered(self) -> None:
-        """The stored values changed: free every gathered copy, persistent ones and hpZ's block included."""
+        """The stored values changed: free every gathered copy, persistent ones and hpZ's block included (a `whole`
+        unit has none: its parameters read the stored values)."""
+        if self.whole:
+            return
         self.release(force=True)
         self.drop_secondary()
 
@@ -200,7 +221,9 @@ class ParamUnit:
         self._expect(UnitState.FULL)
         for p, empty in zip(self.params, self._placeholders):
             p.data = empty
-        if keep_copies:
+        if self.whole:
+            pass  # the slice: what the caller took from it stays valid as it is
+        elif keep_copies:
             self._new_full()
         else:
             self.full.untyped_storage().resize_(0)
@@ -225,7 +248,7 @@ def gather_units(units: list[ParamUnit], approximate: bool = False) -> None:
             _issue_gathers(batch)
             batch = []
         unit._start(approximate)
-        if plain:
+        if plain and unit.state is UnitState.GATHERING:
             batch.append(unit)
     if batch:
         _issue_gathers(batch)
