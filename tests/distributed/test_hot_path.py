@@ -94,9 +94,10 @@ CALL_BUDGET = {(0, 1, None): 120, (1, 1, None): 140, (2, 1, None): 140, (3, 1, N
                (3, 2, 0): 780}
 """Calls into shardwise's own Python for one forward, backward and step of TinyNet (7 parameters in 4 modules), by
 (stage, world size, stage3_param_persistence_threshold or the default), every instrument off. Measured at world 1:
-114, 131, 131, 301 (at e465498: 163, 210, 221, 449); stage 3 150 since a world of one keeps its parameters whole
-([Note: a unit of one]); at world 2 TinyNet's units are all persistent by default (293, no module hooks; 430
-when every module was hooked anyway), with none persistent every module is hooked: 741."""
+114, 131, 131, 301 (at e465498: 163, 210, 221, 449); stage 3 150 once a world of one kept its parameters whole
+([Note: a unit of one]), and 110, 127, 127, 145 once gradients accumulated in place ([Note: gradients accumulate in
+place]). At world 2 TinyNet's units are all persistent by default (290, no module hooks; 430 when every module was
+hooked anyway); with none persistent every module is hooked: 742."""
 
 
 def _calls_per_step(stage: int, persistence: int | None) -> Counter:

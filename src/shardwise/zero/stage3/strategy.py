@@ -103,7 +103,8 @@ class Stage3(NoRankLocalState, BucketedGrads):
         streams = self.comm.streams_coalesced(self.group, device)
         coalesce = COALESCE_BUCKET_BYTES // self.precision.grad_accum_dtype.itemsize if streams else 0
         self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
-                                   counts_in_norm=inputs.counts_in_norm, coalesce_numel=coalesce)
+                                   counts_in_norm=inputs.counts_in_norm, coalesce_numel=coalesce,
+                                   grads_in_place=all(u.whole and u.persistent for u in self.trainable))
         self.hooks = None if all(u.persistent for u in self.units) else Stage3Hooks(
             self.module, units_by_module(self.module, self.units), self.live, zero.stage3_prefetch_bucket_size,
             zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
