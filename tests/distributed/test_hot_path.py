@@ -90,13 +90,13 @@ def test_the_loss_is_read_when_a_report_is_due():
 # GAN of tests/gan.py took 1.34-1.47x the plain PyTorch loop's time at stages 0-2 and 2.4x at stage 3 (e465498),
 # then 1.10-1.14x and 1.67x with fewer calls. Timing it here would be noise; counting the library's Python calls
 # is exact. A change that adds work to every step raises these numbers: the commit says why and raises the budget.
-CALL_BUDGET = {(0, 1, None): 120, (1, 1, None): 140, (2, 1, None): 140, (3, 1, None): 160, (3, 2, None): 300,
+CALL_BUDGET = {(0, 1, None): 120, (1, 1, None): 140, (2, 1, None): 140, (3, 1, None): 140, (3, 2, None): 300,
                (3, 2, 0): 780}
 """Calls into shardwise's own Python for one forward, backward and step of TinyNet (7 parameters in 4 modules), by
 (stage, world size, stage3_param_persistence_threshold or the default), every instrument off. Measured at world 1:
 114, 131, 131, 301 (at e465498: 163, 210, 221, 449); stage 3 150 once a world of one kept its parameters whole
-([Note: a unit of one]), and 110, 127, 127, 145 once gradients accumulated in place ([Note: gradients accumulate in
-place]). At world 2 TinyNet's units are all persistent by default (290, no module hooks; 430 when every module was
+([Note: a unit of one]), and 110, 127, 127, 131 once gradients accumulated in place ([Note: gradients accumulate in
+place]) and stage 3 alone skipped its release, discard and gather loops. At world 2 TinyNet's units are all persistent by default (290, no module hooks; 430 when every module was
 hooked anyway); with none persistent every module is hooked: 742."""
 
 

@@ -102,9 +102,12 @@ class Stage3(NoRankLocalState, BucketedGrads):
         self._bucket_unit = list(reversed(self.trainable))
         streams = self.comm.streams_coalesced(self.group, device)
         coalesce = COALESCE_BUCKET_BYTES // self.precision.grad_accum_dtype.itemsize if streams else 0
-        self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm, on_complete=self._grads_complete,
+        self._in_place = all(u.whole and u.persistent for u in self.units)
+        """[Note: a unit of one] for every unit: nothing to release after backward, to discard or gather after a step."""
+        self.buckets = GradBuckets(buckets, reducer, overlap=zero.overlap_comm,
+                                   on_complete=None if self._in_place else self._grads_complete,
                                    counts_in_norm=inputs.counts_in_norm, coalesce_numel=coalesce,
-                                   grads_in_place=all(u.whole and u.persistent for u in self.trainable))
+                                   grads_in_place=self._in_place)
         self.hooks = None if all(u.persistent for u in self.units) else Stage3Hooks(
             self.module, units_by_module(self.module, self.units), self.live, zero.stage3_prefetch_bucket_size,
             zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance)
@@ -161,6 +164,8 @@ class Stage3(NoRankLocalState, BucketedGrads):
         with torch.no_grad():
             self.offload.step(self.optimizer, self.masters, [grads[id(u)] for u in self.trainable],
                               lambda i: self.trainable[i].write_back())
+        if self._in_place:
+            return
         for unit in self.trainable:  # every gathered copy is stale now
             unit.discard_gathered()
         self._gather_persistent()
