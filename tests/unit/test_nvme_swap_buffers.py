@@ -40,6 +40,7 @@ def _net_allocated(work: Callable[[], None]) -> int:
     """Bytes the CPU allocator handed out during `work` and did not get back."""
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage from earlier tests in this process, freed inside `work` by its own collect, would count
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         work()
     return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
