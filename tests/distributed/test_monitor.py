@@ -234,12 +234,21 @@ def _timed(micro, stage=0):
 
 
 def test_phase_timers_add_up_to_the_step_time():
-    for timers_ms, step_s in run_distributed(_timed, WORLD, 256):
-        phases = timers_ms["forward"] + timers_ms["backward"] + timers_ms["step"]  # backward_reduce is inside backward
-        assert timers_ms["backward_reduce"] <= timers_ms["backward"]
-        # Within 10%, plus 3 ms: on a busy 2-core machine the OS can preempt a rank between
-        # two timed phases, which the step's wall time sees and no phase timer does.
-        assert abs(phases / 1e3 - step_s) <= 0.10 * step_s + 3e-3, (timers_ms, step_s)
+    # Within 10%, plus 3 ms: on a busy 2-core machine the OS can preempt a rank between two timed phases, which the
+    # step's wall time sees and no phase timer does. Such a preemption is a matter of luck and an untimed part of the
+    # step is not, so the sums must agree in one of two runs (CI once saw 21.3 ms of phases in a 28.3 ms step).
+    misses = []
+    for _ in range(2):
+        miss = []
+        for timers_ms, step_s in run_distributed(_timed, WORLD, 256):
+            phases = timers_ms["forward"] + timers_ms["backward"] + timers_ms["step"]  # backward_reduce is in backward
+            assert timers_ms["backward_reduce"] <= timers_ms["backward"]
+            if abs(phases / 1e3 - step_s) > 0.10 * step_s + 3e-3:
+                miss.append((timers_ms, step_s))
+        if not miss:
+            return
+        misses.append(miss)
+    raise AssertionError(f"the phase timers missed the step time in both runs: {misses}")
 
 
 def test_zero2_reports_the_allgather_inside_the_step():
